@@ -1,0 +1,3 @@
+from .runner import CpuAmxRunner, CpuRunner
+
+__all__ = ["CpuAmxRunner", "CpuRunner"]

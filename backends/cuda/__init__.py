@@ -1,0 +1,3 @@
+from .runner import CudaRunner
+
+__all__ = ["CudaRunner"]

@@ -1,0 +1,3 @@
+from .runner import MetaxRunner
+
+__all__ = ["MetaxRunner"]

@@ -1,0 +1,70 @@
+"""MetaX MACA runner.
+
+Probes through pymxsml (ships with the MACA SDK; imported lazily by the probe). MACA's PyTorch
+exposes the card as a `cuda` device, so the vision path is the shared torch one on that device;
+what differs is the row: dense qkv (its SDPA is not verified to read strides), host grid_thw (as
+FastDeploy's MetaX PaddleOCR-VL runner does), graph capture opt-in only.
+
+Emulation: with no card, the conformance suite injects a fake pymxsml marked emulated; the runner
+then executes its own code and row on whatever torch device exists (the CPU here, the GPU of the
+NVIDIA test machine) and every report says "emulated".
+"""
+from __future__ import annotations
+
+import torch
+
+from fastdeploy_ext.platforms import probe_metax
+from fastdeploy_ext.plan import CapabilityRow
+from fastdeploy_ext.runner import GraphReport
+from fastdeploy_ext.torch_runner import TorchRunner
+
+from ..cuda.runner import cuda_host_sync_guard, cuda_memory_stats
+
+
+class MetaxRunner(TorchRunner):
+    name = "metax"
+
+    @classmethod
+    def probe(cls):
+        return probe_metax()
+
+    @classmethod
+    def row_matches(cls, row: CapabilityRow, probe) -> bool:
+        fam = probe.devices[0].family if probe.devices else None
+        return row.match.get("family") in (None, fam)
+
+    @classmethod
+    def select_row(cls, probe, table):
+        try:
+            return super().select_row(probe, table)
+        except RuntimeError:
+            # an unknown MetaX part: run with the most conservative MetaX row rather than refuse
+            rows = [r for r in table.values() if r.runner == cls.name]
+            if not rows:
+                raise
+            fam = probe.devices[0].family if probe.devices else "unknown"
+            return rows[0], f"no row for {fam}; using {rows[0].name}, the conservative MetaX row"
+
+    @classmethod
+    def torch_device(cls, probe) -> torch.device:
+        if torch.cuda.is_available():          # MACA torch builds expose the card as cuda
+            return torch.device("cuda", 0)
+        if probe.emulated:
+            return torch.device("cpu")
+        raise RuntimeError("metax: pymxsml sees a card but torch cannot reach it (is this the MACA torch build?)")
+
+    def sync_guard(self):
+        return cuda_host_sync_guard() if self.device.type == "cuda" else super().sync_guard()
+
+    def memory_stats(self) -> dict:
+        stats = cuda_memory_stats(self.device) if self.device.type == "cuda" else super().memory_stats()
+        if self.plan.emulated:
+            stats["kind"] += " [EMULATED MetaX]"
+        return stats
+
+    def capture_graphs(self) -> GraphReport:
+        if not self.plan.graphs.value:
+            return GraphReport(captured=0, reason=self.plan.graphs.reason)
+        from fastdeploy_ext.graphs import EncoderGraphs
+        self.graphs = EncoderGraphs(self, self.plan.graphs.value)
+        return self.graphs.capture()

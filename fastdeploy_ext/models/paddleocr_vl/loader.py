@@ -1,0 +1,203 @@
+"""Load PaddleOCR-VL weights from a local model directory (or build random ones).
+
+Accepts tensor names as released / as transformers' save_pretrained writes them
+(`visual.vision_model.*`, `mlp_AR.*`, `model.*`) and as transformers names them in memory
+(`model.visual.*`, `model.projector.*`, `model.language_model.*`), single-file or sharded
+safetensors, in torch layout (Linear [out, in]) or Paddle layout (Linear [in, out]).
+
+The layout is decided from the shape of a non-square Linear weight (vision `mlp.fc1.weight` is
+[intermediate, hidden] in torch layout): config.json's `dtype`/`torch_dtype` key cannot tell them
+apart since transformers 5 writes `dtype` too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+
+from .config import PaddleOCRVLConfig
+from .vision import PaddleOCRVLVision
+
+log = logging.getLogger(__name__)
+
+ModelFormat = Literal["auto", "torch", "paddle"]
+MODEL_FORMATS = ("auto", "torch", "paddle")
+
+_ALIASES = ((re.compile(r"^model\.visual\."), "visual."),
+            (re.compile(r"^model\.projector\."), "mlp_AR."))
+_V = "visual.vision_model."
+_IGNORED = re.compile(r"\.(packing_position_embedding|head)\.")   # released extras we never use
+
+
+class CheckpointError(ValueError):
+    """The model directory cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    model_dir: str | None
+    files: tuple[str, ...]
+    layout: str                 # "torch" | "paddle" | "random"
+    layout_reason: str
+    tensors_loaded: int
+
+
+def _canonical(name: str) -> str:
+    for pat, repl in _ALIASES:
+        name = pat.sub(repl, name)
+    return name
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def _iter_tensors(files: list[Path], wanted) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for raw in h.keys():
+                    name = _canonical(raw)
+                    if wanted(name):
+                        yield name, h.get_tensor(raw)
+        except (OSError, RuntimeError, ValueError) as e:  # corrupt header or truncated file
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
+
+
+def _wanted(name: str) -> bool:
+    return (name.startswith(_V) or name.startswith("mlp_AR.")) and not _IGNORED.search(name)
+
+
+def detect_layout(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, forced: ModelFormat) -> tuple[str, str]:
+    key = f"{_V}encoder.layers.0.mlp.fc1.weight"
+    torch_shape = (cfg.vision.intermediate_size, cfg.vision.hidden_size)
+    shape = tuple(tensors[key].shape) if key in tensors else None
+    if forced != "auto":
+        expect = torch_shape if forced == "torch" else torch_shape[::-1]
+        if shape is not None and shape != expect:
+            raise CheckpointError(
+                f"--model-format {forced} expects {key} of shape {list(expect)}, the checkpoint has {list(shape)}")
+        return forced, "forced by --model-format"
+    if shape is None:
+        raise CheckpointError(f"cannot detect the weight layout: {key} is missing from the checkpoint")
+    if shape == torch_shape:
+        return "torch", f"{key} is {list(shape)} = [out, in]"
+    if shape == torch_shape[::-1]:
+        return "paddle", f"{key} is {list(shape)} = [in, out] (Paddle export)"
+    raise CheckpointError(f"{key} has shape {list(shape)}; config.json implies {list(torch_shape)} (torch) "
+                          f"or {list(torch_shape[::-1])} (paddle)")
+
+
+def _to_ours(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, layout: str) -> dict[str, torch.Tensor]:
+    """Rename to our module's parameter names, fuse q/k/v, flatten the patch conv, undo Paddle's
+    [in, out] Linear layout. Embedding tables and norms are layout-independent."""
+    def linear(name: str) -> torch.Tensor:
+        w = tensors.pop(name)
+        return w.t() if layout == "paddle" else w
+
+    out: dict[str, torch.Tensor] = {}
+    vc = cfg.vision
+    e = f"{_V}embeddings."
+    out["encoder.patch_embedding.weight"] = tensors.pop(e + "patch_embedding.weight").reshape(vc.hidden_size, -1)
+    out["encoder.patch_embedding.bias"] = tensors.pop(e + "patch_embedding.bias")
+    out["encoder.position_embedding"] = tensors.pop(e + "position_embedding.weight")
+    for i in range(vc.num_hidden_layers):
+        src, dst = f"{_V}encoder.layers.{i}.", f"encoder.layers.{i}."
+        a = src + "self_attn."
+        out[dst + "qkv.weight"] = torch.cat([linear(a + f"{p}_proj.weight") for p in "qkv"])
+        out[dst + "qkv.bias"] = torch.cat([tensors.pop(a + f"{p}_proj.bias") for p in "qkv"])
+        out[dst + "out_proj.weight"] = linear(a + "out_proj.weight")
+        out[dst + "out_proj.bias"] = tensors.pop(a + "out_proj.bias")
+        for m in ("fc1", "fc2"):
+            out[dst + f"{m}.weight"] = linear(src + f"mlp.{m}.weight")
+            out[dst + f"{m}.bias"] = tensors.pop(src + f"mlp.{m}.bias")
+        for ln in ("layer_norm1", "layer_norm2"):
+            for p in ("weight", "bias"):
+                out[dst + f"{ln}.{p}"] = tensors.pop(src + f"{ln}.{p}")
+    for p in ("weight", "bias"):
+        out[f"encoder.post_layernorm.{p}"] = tensors.pop(f"{_V}post_layernorm.{p}")
+        out[f"projector.pre_norm.{p}"] = tensors.pop(f"mlp_AR.pre_norm.{p}")
+    for m in ("linear_1", "linear_2"):
+        out[f"projector.{m}.weight"] = linear(f"mlp_AR.{m}.weight")
+        out[f"projector.{m}.bias"] = tensors.pop(f"mlp_AR.{m}.bias")
+    return out
+
+
+def build_vision_model(cfg: PaddleOCRVLConfig) -> PaddleOCRVLVision:
+    with torch.device("meta"):
+        return PaddleOCRVLVision(cfg.vision, cfg.text.hidden_size, cfg.projector_eps)
+
+
+def load_vision(model_dir: str | Path | None, *, dtype: torch.dtype, device: torch.device,
+                model_format: ModelFormat = "auto", cfg: PaddleOCRVLConfig | None = None,
+                seed: int = 0) -> tuple[PaddleOCRVLVision, PaddleOCRVLConfig, LoadReport]:
+    """Vision encoder + projector with weights from ``model_dir``, or random weights from the
+    built-in 0.9B config when ``model_dir`` is None (``--load-format dummy``)."""
+    if model_format not in MODEL_FORMATS:
+        raise ValueError(f"model_format must be one of {MODEL_FORMATS}, got {model_format!r}")
+    if model_dir is None:
+        cfg = cfg or PaddleOCRVLConfig()
+        model = PaddleOCRVLVision(cfg.vision, cfg.text.hidden_size, cfg.projector_eps)
+        _random_init(model, seed)
+        model = model.to(device=device, dtype=dtype).eval()
+        n = sum(1 for _ in model.parameters())
+        return model, cfg, LoadReport(None, (), "random", "--load-format dummy: random weights", n)
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory does not exist")
+    cfg = cfg or PaddleOCRVLConfig.from_model_dir(model_dir)
+    files = safetensors_files(model_dir)
+    tensors = dict(_iter_tensors(files, _wanted))
+    layout, reason = detect_layout(tensors, cfg, model_format)
+    try:
+        state = _to_ours(tensors, cfg, layout)
+    except KeyError as e:
+        raise CheckpointError(f"{model_dir}: tensor {e.args[0]} is missing from the checkpoint") from None
+    if tensors:
+        log.info("ignoring %d unused vision tensors, e.g. %s", len(tensors), next(iter(tensors)))
+    model = build_vision_model(cfg)
+    expected = dict(model.state_dict())
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{model_dir}: tensor for {name} has shape {list(t.shape)}, "
+                                  f"config.json implies {list(expected[name].shape)}")
+    state = {k: v.to(dtype=dtype).contiguous() for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    model = model.to(device=device).eval()
+    log.info("loaded %d tensors from %d file(s) in %s layout (%s)", len(state), len(files), layout, reason)
+    return model, cfg, LoadReport(str(model_dir), tuple(str(f) for f in files), layout, reason, len(state))
+
+
+def _random_init(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.02, generator=g)
+            elif p.ndim == 1:   # norm scales
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)

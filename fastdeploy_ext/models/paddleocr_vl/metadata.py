@@ -1,0 +1,165 @@
+"""Per-batch metadata of the packed vision pass, built two separate ways.
+
+* host path (``build_host_metadata``): every image's (t, h, w) is a Python int from the
+  preprocessor; cu_seqlens, split sizes, the merge permutation and the attention block table are
+  computed on the host and uploaded in ONE pinned, non-blocking copy; position embeddings and
+  rotary tables come from a per-(h, w) LFU cache. No device->host synchronisation.
+* device path (``build_device_metadata``): the reference behaviour — everything derived with
+  tensor ops from a grid_thw tensor that lives on the device; split sizes are read back with
+  ``tolist()`` (a sync, by design: this is what transformers does).
+
+Both must agree bit for bit (conformance checks it); they share only the elementwise leaf
+functions (rotary table gather, position-embedding taps), never the index derivation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...ops.pos_embed import LFUCache, resample, taps_and_weights
+from ...ops.rotary import RotaryTable
+
+Grid = tuple[int, int, int]
+
+
+class BatchError(ValueError):
+    """A vision batch that cannot be encoded (bad grid, wrong shapes); the message says why."""
+
+
+@dataclass
+class VisionMetadata:
+    num_tokens: int                      # packed patches N
+    seq_lens: list[int]                  # attention segment lengths (one per frame), host ints
+    cu_seqlens: torch.Tensor             # int32 [segments + 1], on device
+    max_seqlen: int
+    cos: torch.Tensor                    # fp32 [N, head_dim]
+    sin: torch.Tensor                    # fp32 [N, head_dim]
+    pos_embed: torch.Tensor              # [N, hidden] in compute dtype
+    merge_index: torch.Tensor            # int64 [N]: packed order -> 2x2-merge order
+    out_split_sizes: list[int]           # projector tokens per image
+    grids: list[Grid]
+    source: str                          # "host" | "device"
+    extras: dict = field(default_factory=dict)   # backend-specific (e.g. the triton block table)
+
+
+def validate_grids(grids: Sequence[Sequence[int]], merge: int, num_patches: int | None = None) -> list[Grid]:
+    if len(grids) == 0:
+        raise BatchError("empty batch: at least one image is needed")
+    out = []
+    for i, g in enumerate(grids):
+        if len(g) != 3:
+            raise BatchError(f"image {i}: grid_thw must be (t, h, w), got {tuple(g)}")
+        t, h, w = (int(x) for x in g)
+        if t < 1 or h < 1 or w < 1:
+            raise BatchError(f"image {i}: grid_thw {t, h, w} has a non-positive dimension")
+        if h % merge or w % merge:
+            raise BatchError(f"image {i}: grid h={h}, w={w} must be divisible by the merge size {merge}")
+        out.append((t, h, w))
+    if num_patches is not None:
+        expected = sum(t * h * w for t, h, w in out)
+        if expected != num_patches:
+            raise BatchError(f"pixel_values hold {num_patches} patches but grid_thw describes {expected}")
+    return out
+
+
+class MetadataBuilder:
+    """Owns the rotary table and the (h, w) cache for one model instance on one device."""
+
+    def __init__(self, *, head_dim: int, rope_theta: float, merge: int, side: int,
+                 pos_table: torch.Tensor, compute_dtype: torch.dtype, device: torch.device,
+                 cache_capacity: int = 64):
+        self.merge, self.side = merge, side
+        self.pos_table = pos_table            # [side*side, hidden], the learned embedding
+        self.dtype, self.device = compute_dtype, device
+        self.rotary = RotaryTable(head_dim, rope_theta, device)
+        self.cache: LFUCache[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LFUCache(cache_capacity)
+        self.extra_builders: list = []        # callables(meta, host_ints) adding backend extras
+
+    # ---------------------------------------------------------------- host path
+    def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return cpu.pin_memory().to(self.device, non_blocking=True)
+        return cpu.to(self.device)
+
+    def _per_image_tables(self, h: int, w: int):
+        """(pos_embed [h*w, D], cos, sin) for one frame of size h x w, raster order."""
+        def create():
+            rows = torch.arange(h).repeat_interleave(w)
+            cols = torch.arange(w).repeat(h)
+            # sizes as full tensors, like the device path: a scalar divisor may be turned into a
+            # reciprocal multiply by some kernels, which would break host == device bitwise
+            idx, wts = taps_and_weights(rows, cols, torch.full_like(rows, h), torch.full_like(cols, w), self.side)
+            packed = self._upload(torch.cat([rows, cols, idx.flatten()]))
+            rows_d, cols_d, idx_d = packed[:h * w], packed[h * w:2 * h * w], packed[2 * h * w:].view(-1, 4)
+            wts_d = self._upload(wts)
+            self.rotary.ensure(max(h, w))
+            cos, sin = self.rotary.lookup(rows_d, cols_d)
+            return resample(self.pos_table, idx_d, wts_d, self.dtype), cos, sin
+        return self.cache.get_or_create((h, w), create)
+
+    def build_host(self, grids: Sequence[Grid]) -> VisionMetadata:
+        m = self.merge
+        seq_lens = [h * w for t, h, w in grids for _ in range(t)]
+        cu = [0]
+        for n in seq_lens:
+            cu.append(cu[-1] + n)
+        n_tok = cu[-1]
+        # merge permutation, host side: per frame, (bh, bw, i, j) order of raster indices
+        perm = []
+        offset = 0
+        for t, h, w in grids:
+            base = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).flatten()
+            for _ in range(t):
+                perm.append(base + offset)
+                offset += h * w
+        packed = self._upload(torch.cat([torch.tensor(cu, dtype=torch.int64)] + perm))
+        cu_d = packed[:len(cu)].to(torch.int32)
+        merge_index = packed[len(cu):]
+        tables = [self._per_image_tables(h, w) for t, h, w in grids for _ in range(t)]
+        pos, cos, sin = (torch.cat([tb[i] for tb in tables]) if len(tables) > 1 else tables[0][i] for i in range(3))
+        meta = VisionMetadata(
+            num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_d, max_seqlen=max(seq_lens),
+            cos=cos, sin=sin, pos_embed=pos, merge_index=merge_index,
+            out_split_sizes=[t * h * w // (m * m) for t, h, w in grids], grids=list(grids), source="host")
+        for add in self.extra_builders:
+            add(meta, self._upload)
+        return meta
+
+    # -------------------------------------------------------------- device path
+    def build_device(self, grid_thw: torch.Tensor) -> VisionMetadata:
+        """Reference path: metadata from a device tensor with tensor ops (syncs where sizes are
+        needed on the host, exactly like transformers)."""
+        g = grid_thw.to(self.device, torch.int64)
+        t, h, w = g[:, 0], g[:, 1], g[:, 2]
+        frame_hw = torch.repeat_interleave(h * w, t)
+        cu_seqlens = F.pad(frame_hw.cumsum(0), (1, 0)).to(torch.int32)
+        n_tok = int(cu_seqlens[-1])                                   # sync (reference)
+        frame_starts = torch.repeat_interleave(cu_seqlens[:-1].long(), frame_hw)
+        frame_h = torch.repeat_interleave(torch.repeat_interleave(h, t), frame_hw)
+        frame_w = torch.repeat_interleave(torch.repeat_interleave(w, t), frame_hw)
+        within = torch.arange(n_tok, device=self.device) - frame_starts
+        rows, cols = within // frame_w, within % frame_w
+        self.rotary.ensure(int(torch.maximum(h, w).max()))          # sync (reference)
+        cos, sin = self.rotary.lookup(rows, cols)
+        idx, wts = taps_and_weights(rows, cols, frame_h, frame_w, self.side)
+        pos = resample(self.pos_table, idx, wts, self.dtype)
+        # merge order: sort tokens by (frame, block row, block col, in-row, in-col)
+        m = self.merge
+        key_block = (rows // m) * (frame_w // m) + cols // m
+        in_block = (rows % m) * m + cols % m
+        merge_pos = frame_starts + key_block * (m * m) + in_block    # destination slot of each token
+        merge_index = torch.empty_like(merge_pos)
+        merge_index[merge_pos] = torch.arange(n_tok, device=self.device)
+        seq_lens = frame_hw.tolist()                                   # sync (reference)
+        out_split = (g.prod(-1) // (m * m)).tolist()                   # sync (reference)
+        grids = [tuple(x) for x in g.tolist()]                         # sync (reference)
+        meta = VisionMetadata(
+            num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_seqlens, max_seqlen=max(seq_lens),
+            cos=cos, sin=sin, pos_embed=pos, merge_index=merge_index, out_split_sizes=out_split,
+            grids=grids, source="device")
+        for add in self.extra_builders:
+            add(meta, lambda cpu: cpu.to(self.device))
+        return meta

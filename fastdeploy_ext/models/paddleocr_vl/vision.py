@@ -1,0 +1,140 @@
+"""PaddleOCR-VL vision encoder (SigLIP/NaViT) over one packed varlen sequence.
+
+All images of a batch are concatenated into N patches and run through the 27 layers in a single
+pass; attention is block-diagonal per image (per frame). The q/k/v projection is one fused
+Linear [3*hidden, hidden]. What varies by device is decided by the RunPlan, passed in as a small
+`VisionExecution` so that this module never looks at devices itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...ops.attention import AttentionBackend
+from ...ops.rotary import rotary_in_place, rotary_out_of_place
+from .config import VisionConfig
+from .metadata import VisionMetadata
+from .projector import Projector
+
+
+@dataclass(frozen=True)
+class VisionExecution:
+    """The parts of the plan the encoder needs at run time."""
+    attention: AttentionBackend
+    strided_qkv: bool          # hand the kernel views of the qkv buffer (no dense copies)
+
+
+def _qkv_half(x, ln_w, ln_b, eps: float, w, b):
+    """LayerNorm -> fused qkv projection."""
+    return F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps), w, b)
+
+
+def _mlp_half(x, attn, o_w, o_b, ln_w, ln_b, eps: float, f1_w, f1_b, f2_w, f2_b, approx: str):
+    """out_proj + residual -> LayerNorm -> fc1 + GELU -> fc2 + residual."""
+    x = x + F.linear(attn, o_w, o_b)
+    h = F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps), f1_w, f1_b), approximate=approx)
+    return x + F.linear(h, f2_w, f2_b)
+
+
+@dataclass(frozen=True)
+class LayerHalves:
+    """The two non-attention halves of a layer, as free functions of tensors: one compiled
+    version then serves all 27 layers (weights are arguments, not guarded module state)."""
+    qkv: Callable
+    mlp: Callable
+
+
+EAGER_HALVES = LayerHalves(_qkv_half, _mlp_half)
+
+
+def compile_layer_halves(encoder: "VisionEncoder") -> LayerHalves:
+    """torch.compile both halves (fuses LayerNorm, bias, GELU and residual adds around the
+    GEMMs) with dynamic token counts, and install them on every layer."""
+    halves = LayerHalves(torch.compile(_qkv_half, dynamic=True), torch.compile(_mlp_half, dynamic=True))
+    for layer in encoder.layers:
+        layer.halves = halves
+    return halves
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.gelu_approx = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.layer_norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out_proj = nn.Linear(d, d)
+        self.layer_norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.fc1 = nn.Linear(d, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, d)
+        self.halves = EAGER_HALVES
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        ln = self.layer_norm1
+        return self.halves.qkv(x, ln.weight, ln.bias, ln.eps, self.qkv.weight, self.qkv.bias)
+
+    def attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        ln = self.layer_norm2
+        return self.halves.mlp(x, attn, self.out_proj.weight, self.out_proj.bias, ln.weight, ln.bias, ln.eps,
+                               self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.gelu_approx)
+
+    def attention(self, qkv: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
+        n = qkv.shape[0]
+        q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)   # strided views
+        backend = ex.attention
+        if backend.fuses_rotary:
+            if not ex.strided_qkv:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            out = backend.fn(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
+        else:
+            if ex.strided_qkv:
+                rotary_in_place(q, meta.cos, meta.sin)
+                rotary_in_place(k, meta.cos, meta.sin)
+            else:
+                q = rotary_out_of_place(q, meta.cos, meta.sin)
+                k = rotary_out_of_place(k, meta.cos, meta.sin)
+                v = v.contiguous()
+            out = backend.fn(q, k, v, meta, self.scale)
+        return out.reshape(n, self.num_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
+        return self.attn_out_and_mlp(x, self.attention(self.qkv_proj(x), meta, ex))
+
+
+class VisionEncoder(nn.Module):
+    """Patch embedding + position embedding + layers + post LayerNorm."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        patch_dim = cfg.num_channels * cfg.patch_size * cfg.patch_size
+        # The checkpoint's Conv2d(kernel=stride=patch) is a Linear over flattened patches.
+        self.patch_embedding = nn.Linear(patch_dim, cfg.hidden_size)
+        self.position_embedding = nn.Parameter(torch.empty(cfg.num_grid_per_side ** 2, cfg.hidden_size))
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
+        x = self.patch_embedding(pixel_values.reshape(pixel_values.shape[0], -1).to(self.patch_embedding.weight.dtype))
+        x = x + meta.pos_embed
+        for layer in self.layers:
+            x = layer(x, meta, ex)
+        return self.post_layernorm(x)
+
+
+class PaddleOCRVLVision(nn.Module):
+    """Encoder + projector: packed pixel patches -> projector tokens [sum(h*w/4), text_hidden]."""
+
+    def __init__(self, vision: VisionConfig, text_hidden: int, projector_eps: float):
+        super().__init__()
+        self.encoder = VisionEncoder(vision)
+        self.projector = Projector(vision.hidden_size, text_hidden, vision.spatial_merge_size, projector_eps)
+
+    def forward(self, pixel_values, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
+        return self.projector(self.encoder(pixel_values, meta, ex), meta)

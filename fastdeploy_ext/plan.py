@@ -1,0 +1,318 @@
+"""Capability table + probe + user flags -> RunPlan, every decision with its reason.
+
+A user forcing something the device row cannot do gets a PlanError naming the row; a kernel that
+is listed but missing at run time falls back to the next one with the reason recorded.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QKV_LAYOUTS = ("auto", "strided", "dense")
+GRID_SOURCES = ("auto", "host", "device")
+SWITCHES = ("auto", "on", "off")
+
+
+class PlanError(ValueError):
+    """The requested configuration is impossible on this device; names the capability row."""
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class AttentionEntry:
+    backend: str
+    reads_strides: bool
+    head_dims: tuple[int, int]
+    dtypes: tuple[str, ...]
+    graph_safe: bool = False
+    use_when: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CapabilityRow:
+    name: str
+    runner: str
+    match: dict
+    dtypes: tuple[str, ...]
+    default_dtype: str
+    attention: tuple[AttentionEntry, ...]
+    host_grid_thw: bool
+    graph_kinds: tuple[str, ...]
+    graphs_default: bool
+    compile_supported: bool
+    compile_default: bool
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
+        att = tuple(AttentionEntry(a["backend"], bool(a["reads_strides"]), tuple(a["head_dims"]),
+                                   tuple(a["dtypes"]), bool(a.get("graph_safe", False)), dict(a.get("use_when", {})))
+                    for a in d["attention"])
+        return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], att,
+                   bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
+                   bool(d["compile_layers"]["supported"]), bool(d["compile_layers"]["default"]))
+
+
+@lru_cache(maxsize=None)
+def load_table(text: str | None = None) -> dict[str, CapabilityRow]:
+    """The built-in table (or ``text``, YAML with the same schema, for vendors and tests)."""
+    if text is None:
+        text = resources.files("fastdeploy_ext").joinpath("capabilities.yaml").read_text()
+    data = yaml.safe_load(text)
+    return {name: CapabilityRow.from_dict(name, d) for name, d in data["rows"].items()}
+
+
+# ----------------------------------------------------------------- graph configuration
+@dataclass(frozen=True)
+class EncoderGraphPath:
+    """A family of captured encoder graphs for one kind of batch (e.g. small layout blocks)."""
+    name: str
+    min_tokens: int
+    max_tokens: int
+    max_image_tokens: int      # images with more patches are not routed to this path
+    max_segments: int          # most images (frames) packed into one replay
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        out, b = [], self.min_tokens
+        while b < self.max_tokens:
+            out.append(b)
+            b *= 2
+        return tuple(out + [self.max_tokens])
+
+    def validate(self) -> None:
+        if not 0 < self.min_tokens <= self.max_tokens:
+            raise ValueError(f"graph path {self.name!r}: need 0 < min_tokens <= max_tokens")
+        if self.max_image_tokens > self.max_tokens or self.max_segments < 1:
+            raise ValueError(f"graph path {self.name!r}: max_image_tokens must be <= max_tokens and max_segments >= 1")
+
+
+DEFAULT_GRAPH_PATHS = (
+    EncoderGraphPath("blocks", min_tokens=512, max_tokens=4096, max_image_tokens=2048, max_segments=64),
+    EncoderGraphPath("pages", min_tokens=8192, max_tokens=12288, max_image_tokens=12288, max_segments=4),
+)
+
+
+@dataclass(frozen=True)
+class GraphOptimizationConfig:
+    """`--graph-optimization-config` JSON, FastDeploy style: ``use_cudagraph`` plus our keys
+    ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens, max_segments})."""
+    use_cudagraph: bool | None = None          # None: the row's default
+    encoder_graph_paths: tuple[EncoderGraphPath, ...] = DEFAULT_GRAPH_PATHS
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "GraphOptimizationConfig":
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--graph-optimization-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("--graph-optimization-config must be a JSON object")
+        known = {"use_cudagraph", "encoder_graph_paths", "cudagraph_capture_sizes", "graph_opt_level"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"--graph-optimization-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        paths = DEFAULT_GRAPH_PATHS
+        if "encoder_graph_paths" in d:
+            try:
+                paths = tuple(EncoderGraphPath(**p) for p in d["encoder_graph_paths"])
+            except TypeError as e:
+                raise ValueError(f"--graph-optimization-config encoder_graph_paths: {e}") from None
+            for p in paths:
+                p.validate()
+        use = d.get("use_cudagraph")
+        return cls(None if use is None else bool(use), paths)
+
+
+# ------------------------------------------------------------------------ the request
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for (CLI flags); "auto" leaves the choice to the row."""
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    qkv_layout: str = "auto"
+    grid_thw: str = "auto"
+    compile_layers: str = "auto"
+    graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+
+    def validate(self) -> None:
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),
+                                     ("grid_thw", self.grid_thw, GRID_SOURCES),
+                                     ("compile_layers", self.compile_layers, SWITCHES)):
+            if value not in allowed:
+                raise PlanError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    runner: str
+    row: str
+    device: str
+    emulated: bool
+    dtype: Decision
+    attention: Decision
+    attention_fallbacks: tuple[str, ...]
+    qkv_layout: Decision
+    grid_thw: Decision
+    graphs: Decision             # value: tuple of EncoderGraphPath, () when off
+    compile_layers: Decision
+    notes: tuple[str, ...] = ()
+
+    @property
+    def strided_qkv(self) -> bool:
+        return self.qkv_layout.value == "strided"
+
+    @property
+    def host_metadata(self) -> bool:
+        return self.grid_thw.value == "host"
+
+    def decisions(self) -> dict[str, Decision]:
+        return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
+                "grid_thw": self.grid_thw, "graphs": self.graphs, "compile_layers": self.compile_layers}
+
+    def describe(self) -> str:
+        tag = " [EMULATED]" if self.emulated else ""
+        lines = [f"plan: runner={self.runner} row={self.row} device={self.device}{tag}"]
+        for k, d in self.decisions().items():
+            v = d.value
+            if k == "graphs":
+                v = ", ".join(f"{p.name}{list(p.budgets)}" for p in v) if v else "off"
+            lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
+        if self.attention_fallbacks:
+            lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["graphs"]["value"] = [asdict(p) for p in self.graphs.value]
+        return d
+
+    def with_changes(self, **kw) -> "RunPlan":
+        return replace(self, **kw)
+
+
+# --------------------------------------------------------------------------- resolve
+def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_dim: int,
+                 available: dict[str, tuple[bool, str]], emulated: bool = False,
+                 consumers_needing_dense: tuple[str, ...] = (), row_reason: str = "") -> RunPlan:
+    """``available``: backend name -> (present, reason) as probed at run time on this device.
+    ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
+    contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
+    request.validate()
+    notes: list[str] = []
+    if row_reason:
+        notes.append(f"row {row.name}: {row_reason}")
+
+    # dtype
+    if request.dtype == "auto":
+        dtype = Decision(row.default_dtype, f"default of row {row.name}")
+    elif request.dtype in row.dtypes:
+        dtype = Decision(request.dtype, "requested")
+    else:
+        raise PlanError(f"row {row.name} does not support dtype {request.dtype}; it supports {', '.join(row.dtypes)}")
+
+    # attention backend: the row's preference list, filtered by head dim, dtype and presence
+    def usable(e: AttentionEntry) -> str | None:
+        if not e.head_dims[0] <= head_dim <= e.head_dims[1]:
+            return f"head_dim {head_dim} outside {list(e.head_dims)}"
+        if dtype.value not in e.dtypes:
+            return f"dtype {dtype.value} not in {list(e.dtypes)}"
+        ok, why = available.get(e.backend, (False, "not registered"))
+        return None if ok else f"kernel unavailable: {why}"
+
+    entries = {e.backend: e for e in row.attention}
+    if request.attention_backend != "auto":
+        e = entries.get(request.attention_backend)
+        if e is None:
+            raise PlanError(f"row {row.name} does not list attention backend {request.attention_backend!r}; "
+                            f"it lists {', '.join(entries)}")
+        why = usable(e)
+        if why:
+            raise PlanError(f"row {row.name}: attention backend {e.backend} cannot run here: {why}")
+        chosen, att_reason, fallbacks = e, "requested", ()
+    else:
+        candidates = []
+        for e in row.attention:
+            why = usable(e)
+            if why:
+                notes.append(f"attention {e.backend} skipped: {why}; falling back")
+            else:
+                candidates.append(e)
+        if not candidates:
+            raise PlanError(f"row {row.name}: no attention backend can run here ({'; '.join(notes)})")
+        chosen = candidates[0]
+        att_reason = f"first usable in row {row.name} preference order"
+        fallbacks = tuple(e.backend for e in candidates[1:])
+    attention = Decision(chosen.backend, att_reason)
+
+    # qkv layout
+    blockers = []
+    if not chosen.reads_strides:
+        blockers.append(f"{chosen.backend} does not read strided q/k/v on row {row.name}")
+    blockers += [f"{c} needs dense q/k/v" for c in consumers_needing_dense]
+    if request.qkv_layout == "strided" and blockers:
+        raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
+    if request.qkv_layout != "auto":
+        qkv = Decision(request.qkv_layout, "requested")
+    elif blockers:
+        qkv = Decision("dense", "; ".join(blockers))
+    else:
+        qkv = Decision("strided", f"{chosen.backend} reads strides and no consumer needs dense q/k/v")
+
+    # grid_thw metadata source
+    if request.grid_thw == "host" and not row.host_grid_thw:
+        raise PlanError(f"row {row.name} does not support host grid_thw metadata")
+    if request.grid_thw != "auto":
+        grid = Decision(request.grid_thw, "requested")
+    elif row.host_grid_thw:
+        grid = Decision("host", "host ints from the preprocessor: no device->host syncs")
+    else:
+        grid = Decision("device", f"row {row.name} has no host metadata path")
+
+    # graphs
+    gc = request.graph_config
+    if gc.use_cudagraph and "encoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
+    want = row.graphs_default if gc.use_cudagraph is None else gc.use_cudagraph
+    graph_safe = [e for e in row.attention if e.graph_safe and not usable(e)]
+    if not want:
+        graphs = Decision((), "off by default on row " + row.name if gc.use_cudagraph is None else "use_cudagraph=false")
+    elif not chosen.graph_safe:
+        if gc.use_cudagraph:
+            raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
+                            f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
+        graphs = Decision((), f"{chosen.backend} cannot be replayed over padded budgets")
+    elif grid.value != "host":
+        if gc.use_cudagraph:
+            raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
+        graphs = Decision((), "graphs need host metadata")
+    else:
+        graphs = Decision(tuple(gc.encoder_graph_paths),
+                          "requested" if gc.use_cudagraph else f"on by default on row {row.name}")
+
+    # compile the non-attention halves of each layer
+    if request.compile_layers == "on" and not row.compile_supported:
+        raise PlanError(f"row {row.name} does not support compiled layers")
+    if request.compile_layers == "auto":
+        comp = Decision(row.compile_default, f"default of row {row.name}")
+    else:
+        comp = Decision(request.compile_layers == "on", "requested")
+
+    return RunPlan(runner=row.runner, row=row.name, device=device, emulated=emulated, dtype=dtype,
+                   attention=attention, attention_fallbacks=fallbacks, qkv_layout=qkv, grid_thw=grid,
+                   graphs=graphs, compile_layers=comp, notes=tuple(notes))

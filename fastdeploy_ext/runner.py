@@ -1,0 +1,165 @@
+"""The device-agnostic runner interface and the backend registry.
+
+A backend (built-in or out of tree) is a `DeviceRunner` subclass registered under the
+entry-point group ``fastdeploy_ext.backends``; the built-ins register exactly the same way
+(setup.py). The registry is the only module-level mutable state in the framework, and it is
+filled lazily from entry points.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+import torch
+
+from .plan import CapabilityRow, PlanRequest, RunPlan
+
+if TYPE_CHECKING:
+    from .platforms import ProbeResult
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "fastdeploy_ext.backends"
+AUTO_ORDER = ("cuda", "metax", "cpu_amx")   # --device auto: best present first
+
+
+@dataclass
+class ImageBatch:
+    """Preprocessed images packed for one vision pass.
+
+    pixel_values: [N, C, P, P] (or [N, C*P*P]) float32 patches of all images, concatenated.
+    grid_thw: each image's (t, h, w) as host ints — the runtime's metadata comes from these.
+    """
+    pixel_values: torch.Tensor
+    grid_thw: list[tuple[int, int, int]]
+    names: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_images(cls, images: Sequence) -> "ImageBatch":
+        """From ProcessedImage objects (fastdeploy_ext.models.paddleocr_vl.processor)."""
+        from .models.paddleocr_vl.metadata import BatchError
+        if not images:
+            raise BatchError("empty batch: at least one image is needed")
+        return cls(torch.cat([im.pixel_values for im in images]), [tuple(im.grid_thw) for im in images],
+                   [im.source for im in images])
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    captured: int
+    paths: dict = field(default_factory=dict)        # path name -> list of budgets captured
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
+    reason: str = ""
+
+
+class DeviceRunner(ABC):
+    """Runs the vision path (encoder + projector) of a model on one device.
+
+    The generation engine extends this interface when it lands; no methods exist for it yet.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, plan: RunPlan, probe: "ProbeResult"):
+        self.plan, self.probe_result = plan, probe
+
+    # -------------------------------------------------------------- class level
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> "ProbeResult":
+        """Is this device here, and what is it? Never raises."""
+
+    @classmethod
+    @abstractmethod
+    def select_row(cls, probe: "ProbeResult", table: dict[str, CapabilityRow]) -> tuple[CapabilityRow, str]:
+        """The capability row for the probed device, with the reason."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, request: PlanRequest, probe: "ProbeResult | None" = None,
+               table: dict[str, CapabilityRow] | None = None) -> "DeviceRunner":
+        """Probe (unless given), resolve the plan, and build the runner."""
+
+    # ----------------------------------------------------------- instance level
+    @abstractmethod
+    def load_model(self, model_dir: str | None, *, load_format: str = "auto", model_format: str = "auto"):
+        """Load weights (or random ones for load_format='dummy'); returns a LoadReport."""
+
+    @abstractmethod
+    def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
+        """Vision + projector for all images of the batch in one packed pass; one
+        [h*w/4, text_hidden] tensor per image, in the compute dtype, on the device."""
+
+    @abstractmethod
+    def capture_graphs(self) -> GraphReport:
+        """Capture what the plan asks for (no-op report when graphs are off)."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict:
+        """Current and peak memory of the device, in bytes."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Probe + plan + model, human readable (printed at start-up and by `info`)."""
+
+
+# ---------------------------------------------------------------------- registry
+_REGISTRY: dict[str, type[DeviceRunner]] = {}
+
+
+def register_backend(name: str, cls: type[DeviceRunner]) -> None:
+    """For tests and embedding; installed backends use the entry-point group instead."""
+    _REGISTRY[name] = cls
+
+
+def available_backends() -> dict[str, type[DeviceRunner]]:
+    found = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY or ep.name in found:
+            continue
+        try:
+            found[ep.name] = ep.load()
+        except Exception as e:  # a broken third-party backend must not take the others down
+            log.warning("backend %s (%s) failed to load: %s", ep.name, ep.value, e)
+    _REGISTRY.update(found)
+    return dict(_REGISTRY)
+
+
+def get_backend_class(name: str) -> type[DeviceRunner]:
+    backends = available_backends()
+    if name not in backends:
+        raise ValueError(f"unknown device/backend {name!r}; registered: {', '.join(sorted(backends)) or 'none'} "
+                         f"(is the package installed? backends register via the '{ENTRY_POINT_GROUP}' entry points)")
+    return backends[name]
+
+
+def choose_device(device: str) -> tuple[type[DeviceRunner], "ProbeResult", str]:
+    """Resolve --device (auto or a backend name) to a runner class and its probe; an explicit
+    device that is absent is an error naming what the probe saw."""
+    if device != "auto":
+        cls = get_backend_class(device)
+        probe = cls.probe()
+        if not probe.present:
+            raise RuntimeError(f"--device {device}: device not present: {probe.reason}")
+        return cls, probe, "requested"
+    seen = []
+    backends = available_backends()
+    order = [n for n in AUTO_ORDER if n in backends] + sorted(set(backends) - set(AUTO_ORDER) - {"cpu"})
+    for name in order:
+        cls = backends[name]
+        probe = cls.probe()
+        if probe.present and probe.usable:
+            return cls, probe, f"auto: first present of {order}" + (f" (skipped: {'; '.join(seen)})" if seen else "")
+        seen.append(f"{name}: {probe.reason}")
+    raise RuntimeError("--device auto: no usable device: " + "; ".join(seen))
+
+
+def create_runner(request: PlanRequest) -> DeviceRunner:
+    cls, probe, why = choose_device(request.device)
+    runner = cls.create(request, probe=probe)
+    log.info("device %s chosen (%s)", cls.name, why)
+    return runner

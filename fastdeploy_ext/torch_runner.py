@@ -1,0 +1,178 @@
+"""The shared PyTorch implementation behind every built-in runner.
+
+Backends differ in how they probe, which capability row they pick, which torch device they run
+on, how they guard against host syncs and how they report memory; the vision path itself is this
+one class, configured by the RunPlan. A vendor runner subclasses it and overrides those hooks —
+never copies it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import ClassVar
+
+import torch
+
+from .models.paddleocr_vl.loader import load_vision
+from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
+from .models.paddleocr_vl.vision import VisionExecution
+from .ops.attention import ATTENTION_BACKENDS, get_backend
+from .plan import CapabilityRow, PlanRequest, RunPlan, load_table, resolve_plan
+from .runner import DeviceRunner, GraphReport, ImageBatch
+from .sync_guard import SyncRecorder
+
+log = logging.getLogger(__name__)
+
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchRunner(DeviceRunner):
+    name: ClassVar[str] = "torch"
+    #: set by subclasses that pin one row regardless of the probe (e.g. the plain `cpu` device)
+    forced_row: ClassVar[str | None] = None
+
+    # ------------------------------------------------------------ hooks
+    @classmethod
+    def torch_device(cls, probe) -> torch.device:
+        raise NotImplementedError
+
+    def sync_guard(self):
+        """Context that proves the host path makes no device->host sync. Default: a recorder of
+        explicit sync calls (misses implicit syncs, which the code avoids by construction)."""
+        return SyncRecorder(raise_on_sync=True)
+
+    def memory_stats(self) -> dict:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"device": str(self.device), "peak_bytes": peak, "kind": "host RSS (peak)"}
+
+    def capture_graphs(self) -> GraphReport:
+        reason = self.plan.graphs.reason if not self.plan.graphs.value else f"{self.name} runner has no graph capture"
+        return GraphReport(captured=0, reason=reason)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def select_row(cls, probe, table: dict[str, CapabilityRow]) -> tuple[CapabilityRow, str]:
+        if cls.forced_row:
+            return table[cls.forced_row], f"the {cls.name} device always uses row {cls.forced_row}"
+        for row in table.values():
+            if row.runner == cls.name and cls.row_matches(row, probe):
+                return row, f"first row of runner {cls.name} matching the probe ({row.match or 'any'})"
+        raise RuntimeError(f"no capability row for runner {cls.name} matches the probe: {probe.summary()}")
+
+    @classmethod
+    def row_matches(cls, row: CapabilityRow, probe) -> bool:
+        return True
+
+    @classmethod
+    def create(cls, request: PlanRequest, probe=None, table=None) -> "TorchRunner":
+        probe = probe or cls.probe()
+        if not probe.present:
+            raise RuntimeError(f"{cls.name}: device not present: {probe.reason}")
+        table = table or load_table()
+        row, row_reason = cls.select_row(probe, table)
+        device = cls.torch_device(probe)
+        available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
+        plan = resolve_plan(row, request, device=str(device), head_dim=72, available=available,
+                            emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason)
+        return cls(plan, probe)
+
+    def __init__(self, plan: RunPlan, probe):
+        super().__init__(plan, probe)
+        self.device = torch.device(plan.device)
+        self.dtype = DTYPE_BY_NAME[plan.dtype.value]
+        self.model = None
+        self.cfg = None
+        self.load_report = None
+        self.meta_builder: MetadataBuilder | None = None
+        self.execution = VisionExecution(get_backend(plan.attention.value), plan.strided_qkv)
+        self.graphs = None
+
+    # ------------------------------------------------------------ model
+    def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto"):
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
+        if load_format != "dummy" and model_dir is None:
+            raise ValueError("a model directory is needed unless --load-format dummy")
+        t0 = time.perf_counter()
+        self.model, self.cfg, self.load_report = load_vision(
+            None if load_format == "dummy" else model_dir, dtype=self.dtype, device=self.device,
+            model_format=model_format)
+        vc = self.cfg.vision
+        if vc.head_dim != 72:   # the plan was resolved for the released head_dim; re-resolve if different
+            log.info("model head_dim %d", vc.head_dim)
+        self.meta_builder = MetadataBuilder(
+            head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
+            pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device)
+        if self.execution.attention.needs_block_table:
+            from .ops.triton_attention import build_block_table
+
+            def add_block_table(meta: VisionMetadata, upload):
+                meta.extras["block_table"] = upload(build_block_table(meta.seq_lens))
+            self.meta_builder.extra_builders.append(add_block_table)
+        if self.plan.compile_layers.value:
+            self._compile_layers()
+        log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
+                 self.dtype, self.device)
+        return self.load_report
+
+    def _compile_layers(self) -> None:
+        from .models.paddleocr_vl.vision import compile_layer_halves
+        compile_layer_halves(self.model.encoder)
+
+    def _require_model(self):
+        if self.model is None:
+            raise RuntimeError("no model loaded: call load_model() first")
+
+    # ------------------------------------------------------------ encoding
+    def build_metadata(self, grids: list[tuple[int, int, int]], source: str | None = None) -> VisionMetadata:
+        source = source or self.plan.grid_thw.value
+        if source == "host":
+            return self.meta_builder.build_host(grids)
+        grid_dev = torch.tensor(grids, dtype=torch.int64).to(self.device)
+        return self.meta_builder.build_device(grid_dev)
+
+    def check_batch(self, batch: ImageBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        self._require_model()
+        vc = self.cfg.vision
+        pv = batch.pixel_values
+        if not isinstance(pv, torch.Tensor):
+            raise BatchError(f"pixel_values must be a torch.Tensor, got {type(pv).__name__}")
+        patch_dim = vc.num_channels * vc.patch_size ** 2
+        if pv.ndim not in (2, 4) or (pv.shape[0] > 0 and pv[0].numel() != patch_dim):
+            raise BatchError(f"pixel_values must be [N, {vc.num_channels}, {vc.patch_size}, {vc.patch_size}] "
+                             f"or [N, {patch_dim}], got {list(pv.shape)}")
+        if not pv.is_floating_point():
+            raise BatchError(f"pixel_values must be floating point, got {pv.dtype}")
+        grids = validate_grids(batch.grid_thw, vc.spatial_merge_size, num_patches=pv.shape[0])
+        return pv, grids
+
+    def upload_pixels(self, pv: torch.Tensor) -> torch.Tensor:
+        if pv.device != self.device and self.device.type == "cuda" and pv.device.type == "cpu":
+            pv = pv.pin_memory()
+        return pv.to(self.device, non_blocking=True).to(self.dtype).reshape(pv.shape[0], -1)
+
+    def forward_packed(self, pixels: torch.Tensor, meta: VisionMetadata) -> torch.Tensor:
+        with torch.inference_mode():
+            if self.graphs is not None:
+                out = self.graphs.try_run(pixels, meta)
+                if out is not None:
+                    return out
+            return self.model(pixels, meta, self.execution)
+
+    def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
+        pv, grids = self.check_batch(batch)
+        pixels = self.upload_pixels(pv)
+        meta = self.build_metadata(grids)
+        out = self.forward_packed(pixels, meta)
+        return list(out.split(meta.out_split_sizes))
+
+    # ------------------------------------------------------------ reporting
+    def describe(self) -> str:
+        lines = [f"runner: {self.name}", f"probe: {self.probe_result.summary()}", self.plan.describe()]
+        if self.load_report:
+            r = self.load_report
+            lines.append(f"model: {r.model_dir or 'dummy (built-in 0.9B config)'}; layout {r.layout} ({r.layout_reason}); "
+                         f"{r.tensors_loaded} tensors")
+        return "\n".join(lines)
+

@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fastdeploy_ext",
+    version="0.1.0",
+    description="Fast multi-vendor inference of OCR vision-language models (PaddleOCR-VL)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*", "backends", "backends.*"]),
+    package_data={"fastdeploy_ext": ["capabilities.yaml"]},
+    install_requires=[
+        "torch>=2.11,<2.14",
+        "numpy",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "pillow>=10",
+        "py-cpuinfo>=9",
+    ],
+    extras_require={
+        "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
+        # pymxsml ships with the MACA SDK and is not on PyPI: the metax probe imports it lazily.
+        "metax": [],
+        "paddle": [],
+        "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12"],
+    },
+    entry_points={
+        "console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"],
+        "fastdeploy_ext.backends": [
+            "cuda=backends.cuda:CudaRunner",
+            "metax=backends.metax:MetaxRunner",
+            "cpu_amx=backends.cpu_amx:CpuAmxRunner",
+            "cpu=backends.cpu_amx:CpuRunner",
+        ],
+        "pytest11": ["fastdeploy_ext_conformance=fastdeploy_ext.conformance.plugin"],
+    },
+)
