@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from . import envs
 from .models.paddleocr_vl.loader import load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
@@ -103,7 +104,8 @@ class TorchRunner(DeviceRunner):
             log.info("model head_dim %d", vc.head_dim)
         self.meta_builder = MetadataBuilder(
             head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
-            pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device)
+            pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device,
+            cache_capacity=envs.FD_POS_EMBED_CACHE_SIZE.get())
         if self.execution.attention.needs_block_table:
             from .ops.triton_attention import build_block_table
 
@@ -152,20 +154,23 @@ class TorchRunner(DeviceRunner):
             pv = pv.pin_memory()
         return pv.to(self.device, non_blocking=True).to(self.dtype).reshape(pv.shape[0], -1)
 
-    def forward_packed(self, pixels: torch.Tensor, meta: VisionMetadata) -> torch.Tensor:
-        with torch.inference_mode():
-            if self.graphs is not None:
-                out = self.graphs.try_run(pixels, meta)
-                if out is not None:
-                    return out
-            return self.model(pixels, meta, self.execution)
-
     def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
         pv, grids = self.check_batch(batch)
-        pixels = self.upload_pixels(pv)
-        meta = self.build_metadata(grids)
-        out = self.forward_packed(pixels, meta)
-        return list(out.split(meta.out_split_sizes))
+        return self.encode_uploaded(self.upload_pixels(pv), grids)
+
+    def encode_uploaded(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """encode_images for pixels already on the device ([N, C*P*P], compute dtype) and
+        validated grids: the hot path benchmarks time."""
+        with torch.inference_mode():
+            if self.graphs is not None:
+                m2 = self.cfg.vision.spatial_merge_size ** 2
+                out = self.graphs.run(pixels, grids)
+                sizes = [t * h * w // m2 for t, h, w in grids]
+            else:
+                meta = self.build_metadata(grids)
+                out = self.model(pixels, meta, self.execution)
+                sizes = meta.out_split_sizes
+        return list(out.split(sizes))
 
     # ------------------------------------------------------------ reporting
     def describe(self) -> str:

@@ -72,7 +72,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _iter_tensors(files: list[Path], wanted) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
@@ -80,9 +80,7 @@ def _iter_tensors(files: list[Path], wanted) -> Iterator[tuple[str, torch.Tensor
                     name = _canonical(raw)
                     if wanted(name):
                         yield name, h.get_tensor(raw)
-        except (OSError, RuntimeError, ValueError) as e:  # corrupt header or truncated file
-            if isinstance(e, CheckpointError):
-                raise
+        except (SafetensorError, OSError, RuntimeError) as e:  # corrupt header or truncated file
             raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
 
 

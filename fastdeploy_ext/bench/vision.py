@@ -1,0 +1,197 @@
+"""`fastdeploy-ext bench vision`: the transformers reference and our plan variants side by side,
+in one process on one device, on the anchor workloads (../shared/anchors/h200_baseline*.py).
+
+Prints ms per batch, speed-up over the reference (ref ms / ours ms), peak memory, and how close
+each variant's output is to the reference (cosine). Nothing here asserts a time."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..plan import GraphOptimizationConfig, PlanError, PlanRequest
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = {
+    "page": [(1, 78, 138)],                                                            # 1080p page, 10764 patches
+    "blocks16": [(1, h, w) for h, w in [(8, 40), (12, 60), (20, 30), (6, 90), (30, 30), (10, 50), (16, 64),
+                                        (24, 24)] * 2],                                 # 10360 patches
+    "block8x40": [(1, 8, 40)],
+    "small64": [(1, h, w) for h, w in [(8, 40), (6, 30), (10, 24), (4, 60)] * 16],       # 15680 patches
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    qkv_layout: str
+    grid_thw: str
+    graphs: bool
+    compile_layers: str = "off"
+    attention_backend: str = "auto"
+
+
+VARIANTS = (
+    Variant("dense/device/eager", "dense", "device", False),
+    Variant("strided/device/eager", "strided", "device", False),
+    Variant("strided/host/eager", "strided", "host", False),
+    Variant("strided/host/eager+compile", "strided", "host", False, "on"),
+    Variant("strided/host/graph+compile", "strided", "host", True, "on"),
+)
+
+
+class Timer:
+    """Median wall time of fn: CUDA events on a GPU, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device, warmup: int, iters: int):
+        self.device, self.warmup, self.iters = device, warmup, iters
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            if self.device.type == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+
+
+def run_vision_bench(args) -> int:
+    from ..entrypoints.cli import CliError, check_model_args, request_from_args
+    from ..runner import choose_device
+
+    if not args.model:
+        args.load_format = "dummy"      # the built-in 0.9B config with random weights
+    check_model_args(args)
+    base = request_from_args(args)
+    cls, probe, why = choose_device(base.device)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise CliError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+    variants = VARIANTS if args.variants == "all" else tuple(v for v in VARIANTS if v.name in args.variants.split(","))
+    if not variants:
+        raise CliError(f"no variant matches {args.variants!r}; known: {', '.join(v.name for v in VARIANTS)}")
+
+    results: list[dict] = []
+    reference_out: dict[str, torch.Tensor] = {}
+    ref_ms: dict[str, float] = {}
+    timer = None
+    g = torch.Generator().manual_seed(0)
+    inputs_cpu = {w: torch.randn(sum(t * h * ww for t, h, ww in WORKLOADS[w]), 3, 14, 14, generator=g)
+                  for w in workloads}
+
+    for v in variants:
+        req = replace(base, qkv_layout=v.qkv_layout, grid_thw=v.grid_thw, compile_layers=v.compile_layers,
+                      attention_backend=v.attention_backend if base.attention_backend == "auto" else base.attention_backend,
+                      graph_config=replace(base.graph_config, use_cudagraph=v.graphs))
+        try:
+            runner = cls.create(req, probe=probe)
+        except PlanError as e:
+            print(f"variant {v.name}: skipped on this device: {e}")
+            continue
+        runner.load_model(args.model, load_format=args.load_format, model_format=args.model_format)
+        device = runner.device
+        timer = timer or Timer(device, args.warmup, args.iters)
+        report = runner.capture_graphs()
+        print(f"\n== {v.name}: attention={runner.plan.attention.value} qkv={runner.plan.qkv_layout.value} "
+              f"grid={runner.plan.grid_thw.value} compile={runner.plan.compile_layers.value} "
+              f"graphs={report.captured} ({report.capture_seconds:.1f}s, {report.graph_memory_bytes / 2**20:.0f} MiB)"
+              f"{' [EMULATED]' if runner.plan.emulated else ''}")
+        if not args.no_reference and not ref_ms:
+            ref = _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms)
+            results += ref
+        for w in workloads:
+            grids = WORKLOADS[w]
+            pixels = runner.upload_pixels(inputs_cpu[w])
+            runner.encode_uploaded(pixels, grids)
+            _reset_peak(device)
+            ms = timer(lambda: runner.encode_uploaded(pixels, grids))
+            peak = _peak_gib(device)
+            out = torch.cat(runner.encode_uploaded(pixels, grids))
+            cos = _cosine(out, reference_out[w]) if w in reference_out else None
+            row = {"workload": w, "variant": v.name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
+                   "speedup_vs_ref": (ref_ms[w] / ms) if w in ref_ms else None,
+                   "attention": runner.plan.attention.value, "device": runner.plan.device, "row": runner.plan.row,
+                   "emulated": runner.plan.emulated}
+            if runner.graphs is not None:
+                row["graph_stats"] = {"hits": runner.graphs.stats.hits, "fallbacks": runner.graphs.stats.fallbacks}
+            results.append(row)
+            print(f"  {w:<10} {ms:9.2f} ms  x{row['speedup_vs_ref'] or float('nan'):5.2f} vs ref  "
+                  f"peak {peak if peak is not None else float('nan'):6.2f} GiB  cos {cos if cos is not None else float('nan'):.5f}")
+        del runner
+        gc.collect()
+
+    _print_table(results, workloads)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": str(probe.summary()), "results": results}, f, indent=1)
+    return 0
+
+
+def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> list[dict]:
+    from .reference import hf_vision_reference
+    ref = hf_vision_reference(runner.model, runner.cfg, runner.device, runner.dtype)
+    rows = []
+    print("== transformers reference (PaddleOCRVisionModel sdpa + PaddleOCRProjector)")
+    for w in workloads:
+        grid = torch.tensor(WORKLOADS[w], dtype=torch.int64, device=runner.device)
+        px = inputs_cpu[w].to(runner.device, runner.dtype)
+        _reset_peak(runner.device)
+        ms = timer(lambda: ref(px, grid))
+        peak = _peak_gib(runner.device)
+        reference_out[w] = ref(px, grid).float()
+        ref_ms[w] = ms
+        rows.append({"workload": w, "variant": "transformers", "ms": ms, "peak_gib": peak, "speedup_vs_ref": 1.0})
+        print(f"  {w:<10} {ms:9.2f} ms  peak {peak if peak is not None else float('nan'):6.2f} GiB")
+    del ref
+    gc.collect()
+    return rows
+
+
+def _print_table(results: list[dict], workloads: list[str]) -> None:
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    print("\nms per batch (speed-up vs transformers) [peak GiB]")
+    print(f"{'variant':<30}" + "".join(f"{w:>26}" for w in workloads))
+    for v in variants:
+        cells = []
+        for w in workloads:
+            r = next((x for x in results if x["variant"] == v and x["workload"] == w), None)
+            if r is None:
+                cells.append(f"{'-':>26}")
+                continue
+            sp = f"x{r['speedup_vs_ref']:.2f}" if r.get("speedup_vs_ref") else "   -"
+            pk = f"[{r['peak_gib']:.2f}]" if r.get("peak_gib") is not None else ""
+            cells.append(f"{r['ms']:>10.2f} ({sp}) {pk:>8}")
+        print(f"{v:<30}" + "".join(cells))

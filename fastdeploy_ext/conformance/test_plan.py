@@ -1,0 +1,102 @@
+"""The plan honours the capability row of the probed device."""
+from __future__ import annotations
+
+import pytest
+
+from ..ops.attention import ATTENTION_BACKENDS
+from ..plan import GraphOptimizationConfig, PlanError, PlanRequest, load_table
+
+
+@pytest.fixture(scope="module")
+def row(backend_cls):
+    row, reason = backend_cls.select_row(backend_cls.probe(), load_table())
+    assert row.runner in (backend_cls.name, getattr(backend_cls, "name", None)) or backend_cls.forced_row
+    assert reason
+    return row
+
+
+@pytest.fixture(scope="module")
+def plan(backend_cls):
+    return backend_cls.create(PlanRequest(device=backend_cls.name)).plan
+
+
+def test_defaults_come_from_the_row(plan, row, emulated):
+    assert plan.row == row.name
+    assert plan.emulated == emulated
+    assert plan.dtype.value == row.default_dtype
+    listed = [e.backend for e in row.attention]
+    assert plan.attention.value in listed
+    # the chosen backend is the first listed one that can run here; skipped ones carry a reason
+    skipped = listed[:listed.index(plan.attention.value)]
+    for name in skipped:
+        assert any(name in n for n in plan.notes), (name, plan.notes)
+    entry = {e.backend: e for e in row.attention}[plan.attention.value]
+    assert plan.strided_qkv == entry.reads_strides
+    assert plan.grid_thw.value == ("host" if row.host_grid_thw else "device")
+    if not row.graphs_default or "encoder" not in row.graph_kinds:
+        assert plan.graphs.value == ()
+    for d in plan.decisions().values():
+        assert d.reason
+
+
+def test_plan_is_printed_with_reasons(plan, row):
+    text = plan.describe()
+    assert f"row={row.name}" in text
+    for key in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "compile_layers"):
+        assert key in text
+    if plan.emulated:
+        assert "EMULATED" in text
+
+
+def test_forcing_an_unsupported_dtype_names_the_row(backend_cls, row):
+    missing = [d for d in ("float32", "bfloat16", "float16") if d not in row.dtypes]
+    if not missing:
+        with pytest.raises(PlanError, match=row.name):
+            backend_cls.create(PlanRequest(device=backend_cls.name, attention_backend="no_such_kernel"))
+        return
+    with pytest.raises(PlanError, match=row.name):
+        backend_cls.create(PlanRequest(device=backend_cls.name, dtype=missing[0]))
+
+
+def test_forcing_an_unlisted_backend_names_the_row(backend_cls, row):
+    unlisted = [n for n in ATTENTION_BACKENDS if n not in {e.backend for e in row.attention}]
+    assert unlisted
+    with pytest.raises(PlanError, match=row.name):
+        backend_cls.create(PlanRequest(device=backend_cls.name, attention_backend=unlisted[0]))
+
+
+def test_forcing_graphs_where_the_row_has_none_is_an_error(backend_cls, row):
+    req = PlanRequest(device=backend_cls.name, graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    if "encoder" in row.graph_kinds:
+        graph_safe = [e for e in row.attention if e.graph_safe]
+        if graph_safe:
+            assert backend_cls.create(req).plan.graphs.value
+            return
+    with pytest.raises(PlanError, match=row.name):
+        backend_cls.create(req)
+
+
+def test_missing_kernel_falls_back_with_a_reason(backend_cls, row):
+    """Resolve the same row with its first backend reported missing."""
+    from ..plan import resolve_plan
+    first = row.attention[0].backend
+    available = {n: (True, "ok") for n in ATTENTION_BACKENDS}
+    available[first] = (False, "not built for this device")
+    if len(row.attention) == 1:
+        with pytest.raises(PlanError, match=row.name):
+            resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available)
+        return
+    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available)
+    assert plan.attention.value != first
+    assert any(first in n and "not built" in n for n in plan.notes)
+
+
+def test_consumer_needing_dense_forbids_strided(row):
+    from ..plan import resolve_plan
+    available = {n: (True, "ok") for n in ATTENTION_BACKENDS}
+    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available,
+                        consumers_needing_dense=("in-place q/k norm",))
+    assert plan.qkv_layout.value == "dense" and "q/k norm" in plan.qkv_layout.reason
+    with pytest.raises(PlanError, match=row.name):
+        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="x", head_dim=72, available=available,
+                     consumers_needing_dense=("in-place q/k norm",))

@@ -1,0 +1,30 @@
+"""FD_* environment variables, read when asked (never cached at import), with their defaults."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+    parse: Callable[[str], object] = str
+
+    def get(self):
+        raw = os.environ.get(self.name, self.default)
+        try:
+            return self.parse(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {self.help}") from None
+
+
+FD_LOG_LEVEL = EnvVar("FD_LOG_LEVEL", "INFO", "logging level (DEBUG, INFO, WARNING)")
+FD_MAX_IMAGE_PIXELS = EnvVar("FD_MAX_IMAGE_PIXELS", "64000000",
+                             "images with more pixels are refused before decoding (decompression bombs)", int)
+FD_POS_EMBED_CACHE_SIZE = EnvVar("FD_POS_EMBED_CACHE_SIZE", "64",
+                                 "entries of the per-(h, w) position-embedding/rotary LFU cache", int)
+
+ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE)

@@ -1,0 +1,170 @@
+"""Encoder CUDA graphs over token budgets.
+
+Each graph path (e.g. "blocks" for small layout crops, "pages" for whole pages) captures the
+encoder + projector at token budgets doubling from its minimum to its maximum (plus the
+maximum). A batch is packed greedily, in order, into groups that fit a path; each group is padded
+to the smallest budget that holds it and replayed; images no path accepts run eager. All
+metadata (position embeddings, rotary tables, merge permutation, the attention block table) is
+prepared outside the graph on the host path and copied into the graph's static buffers with
+device-to-device copies: replay makes no host sync.
+
+Padding needs an attention kernel whose launch does not depend on the batch: the Triton varlen
+kernel runs a fixed grid over a block table padded with empty (length 0) entries.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .models.paddleocr_vl.metadata import VisionMetadata
+from .plan import EncoderGraphPath
+from .runner import GraphReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphStats:
+    hits: int = 0                 # groups replayed
+    fallbacks: int = 0            # images run eager (no path fits them)
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    per_budget: dict = field(default_factory=dict)
+
+
+class _BudgetGraph:
+    """Static buffers + one captured graph for a budget of `tokens` patches."""
+
+    def __init__(self, runner, tokens: int, max_segments: int):
+        from .ops.triton_attention import BLOCK_M
+        m = runner.model
+        dev, dt = runner.device, runner.dtype
+        vc = runner.cfg.vision
+        self.tokens = tokens
+        self.max_blocks = tokens // BLOCK_M + max_segments
+        self.pixels = torch.zeros(tokens, vc.num_channels * vc.patch_size ** 2, device=dev, dtype=dt)
+        self.pos = torch.zeros(tokens, vc.hidden_size, device=dev, dtype=dt)
+        self.cos = torch.ones(tokens, vc.head_dim, device=dev, dtype=torch.float32)
+        self.sin = torch.zeros(tokens, vc.head_dim, device=dev, dtype=torch.float32)
+        self.merge_index = torch.arange(tokens, device=dev)
+        self.block_table = torch.zeros(self.max_blocks, 3, device=dev, dtype=torch.int32)
+        self.meta = VisionMetadata(
+            num_tokens=tokens, seq_lens=[tokens], cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32),
+            max_seqlen=tokens, cos=self.cos, sin=self.sin, pos_embed=self.pos, merge_index=self.merge_index,
+            out_split_sizes=[tokens // 4], grids=[], source="graph", extras={"block_table": self.block_table})
+        self.model, self.execution = m, runner.execution
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def _forward(self):
+        return self.model(self.pixels, self.meta, self.execution)
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        # Warm up on a side stream (Triton compiles/autotunes, torch.compile specialises).
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.out = self._forward()
+
+    def replay(self, pixels: torch.Tensor, meta: VisionMetadata) -> torch.Tensor:
+        n = meta.num_tokens
+        self.pixels[:n].copy_(pixels)
+        self.pos[:n].copy_(meta.pos_embed)
+        self.cos[:n].copy_(meta.cos)
+        self.sin[:n].copy_(meta.sin)
+        self.merge_index[:n].copy_(meta.merge_index)
+        bt = meta.extras["block_table"]
+        self.block_table.zero_()                       # empty entries: the kernel skips them
+        self.block_table[:bt.shape[0]].copy_(bt)
+        self.graph.replay()
+        return self.out[:n // 4]
+
+
+def pack_groups(grids: list[tuple[int, int, int]], paths: tuple[EncoderGraphPath, ...]
+                ) -> list[tuple[EncoderGraphPath | None, list[int]]]:
+    """Greedy in-order packing of a batch into replay groups.
+
+    An image goes to the first path whose max_image_tokens holds one of its frames (None: no
+    path, run eager). Consecutive images of the same path share a group while the group stays
+    within the path's max_tokens and max_segments."""
+    groups: list[tuple[EncoderGraphPath | None, list[int]]] = []
+    sizes: list[tuple[int, int]] = []          # (tokens, segments) per group
+    for i, (t, h, w) in enumerate(grids):
+        n = t * h * w
+        path = next((p for p in paths if h * w <= p.max_image_tokens and n <= p.max_tokens
+                     and t <= p.max_segments), None)
+        if groups and groups[-1][0] is path:
+            tok, seg = sizes[-1]
+            if path is None or (tok + n <= path.max_tokens and seg + t <= path.max_segments):
+                groups[-1][1].append(i)
+                sizes[-1] = (tok + n, seg + t)
+                continue
+        groups.append((path, [i]))
+        sizes.append((n, t))
+    return groups
+
+
+class EncoderGraphs:
+    def __init__(self, runner, paths: tuple[EncoderGraphPath, ...]):
+        if runner.device.type != "cuda":
+            raise RuntimeError("encoder graphs need a CUDA device")
+        if not runner.execution.attention.needs_block_table:
+            raise RuntimeError(f"encoder graphs need a fixed-grid attention kernel, plan has "
+                               f"{runner.execution.attention.name}")
+        self.runner, self.paths = runner, paths
+        self.graphs: dict[tuple[str, int], _BudgetGraph] = {}
+        self.stats = GraphStats()
+
+    def capture(self) -> GraphReport:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved(self.runner.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.runner.device)
+        with torch.inference_mode():
+            # largest first, so smaller graphs reuse the shared pool's blocks
+            for path in self.paths:
+                for b in sorted(path.budgets, reverse=True):
+                    bg = _BudgetGraph(self.runner, b, path.max_segments)
+                    bg.capture(pool, stream)
+                    self.graphs[(path.name, b)] = bg
+        torch.cuda.synchronize()
+        mem = torch.cuda.memory_reserved(self.runner.device) - before
+        dt = time.perf_counter() - t0
+        report = GraphReport(captured=len(self.graphs), paths={p.name: list(p.budgets) for p in self.paths},
+                             capture_seconds=dt, graph_memory_bytes=mem)
+        log.info("encoder graphs: %d captured in %.1fs, %.1f MiB (%s)", report.captured, dt, mem / 2**20, report.paths)
+        return report
+
+    def run(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Encoder + projector for the batch through graphs where possible; same output layout
+        as the eager forward (projector tokens of all images, concatenated)."""
+        offsets = [0]
+        for t, h, w in grids:
+            offsets.append(offsets[-1] + t * h * w)
+        outs = []
+        for path, idx in pack_groups(grids, self.paths):
+            sub_grids = [grids[j] for j in idx]
+            sub_pixels = pixels[offsets[idx[0]]:offsets[idx[-1] + 1]]
+            meta = self.runner.meta_builder.build_host(sub_grids)
+            if path is None:
+                self.stats.fallbacks += len(idx)
+                outs.append(self.runner.model(sub_pixels, meta, self.runner.execution))
+                continue
+            budget = next(b for b in path.budgets if b >= meta.num_tokens)
+            self.stats.hits += 1
+            self.stats.real_tokens += meta.num_tokens
+            self.stats.padded_tokens += budget - meta.num_tokens
+            key = (path.name, budget)
+            self.stats.per_budget[key] = self.stats.per_budget.get(key, 0) + 1
+            # the replayed output lives in the graph's static buffer: copy it out before the
+            # next group can replay the same graph
+            outs.append(self.graphs[key].replay(sub_pixels, meta).clone())
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

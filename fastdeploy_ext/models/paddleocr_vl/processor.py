@@ -1,0 +1,548 @@
+"""PaddleOCR-VL image preprocessor.
+
+Matches transformers' ``PaddleOCRVLImageProcessorPil`` (transformers 5.24) bit for bit:
+
+1. convert to RGB (images with an alpha band or a ``transparency`` entry are composited onto
+   white first, exactly like transformers' ``convert_to_rgb``),
+2. ``smart_resize`` to multiples of ``factor = patch_size * merge_size`` (28) with a PIL resize
+   (BICUBIC by default) of the uint8 RGB image,
+3. rescale: ``float32(float64(v) * rescale_factor)``,
+4. normalize: ``(x - mean) / std`` in float32 (mean/std cast to float32 first),
+5. patchify into ``[grid_h * grid_w, 3 * temporal_patch_size, patch, patch]`` in raster order
+   (row-major over the patch grid), ``grid_thw = (1, grid_h, grid_w)``.
+
+Steps 3 and 4 only ever see uint8 inputs, so they are evaluated once per channel for the 256
+possible values (a lookup table computed with the very same numpy operations and dtypes as
+transformers) and applied as a gather: identical bits, a fraction of the work.
+
+Input hygiene: every failure while reading an image (missing file, directory, empty or corrupt
+bytes, truncated data, pixel count above the decode cap, absurd aspect ratio) becomes an
+``ImageInputError`` that names the source; no raw PIL/OSError escapes. The pixel cap is checked on
+the header size, before any pixel is decoded (PIL's ``Image.open`` is lazy).
+
+This module does not import transformers (it is only a test-time reference).
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+logger = logging.getLogger(__name__)
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_MIN_PIXELS = 384 * 384
+DEFAULT_MAX_PIXELS = 1536 * 1536
+#: Default decode cap: 64 Mi pixels (e.g. 8192 x 8192). Override with FD_MAX_IMAGE_PIXELS or
+#: PreprocessorConfig(max_image_pixels=...).
+DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+MAX_IMAGE_PIXELS_ENV = "FD_MAX_IMAGE_PIXELS"
+MAX_ASPECT_RATIO = 200
+PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
+
+ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
+
+
+class ImageInputError(ValueError):
+    """A bad image input. ``str(err)`` names the source, says what is wrong and what to do."""
+
+    def __init__(self, source: str | None, problem: str, hint: str = ""):
+        self.source = source
+        self.problem = problem
+        self.hint = hint
+        msg = f"{source}: {problem}" if source else problem
+        if hint:
+            msg = f"{msg}. {hint}"
+        super().__init__(msg)
+
+    def __reduce__(self):  # picklable across process pools despite the custom __init__
+        return (ImageInputError, (self.source, self.problem, self.hint))
+
+    def with_source(self, source: str) -> "ImageInputError":
+        return ImageInputError(source, self.problem, self.hint)
+
+
+# --------------------------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------------------------
+
+def _max_image_pixels_from_env() -> int:
+    raw = os.environ.get(MAX_IMAGE_PIXELS_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MAX_IMAGE_PIXELS
+    try:
+        value = int(raw.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError(
+            f"{MAX_IMAGE_PIXELS_ENV}={raw!r} is not an integer; set it to the largest width*height "
+            f"to decode (default {DEFAULT_MAX_IMAGE_PIXELS})") from None
+    if value <= 0:
+        raise ValueError(f"{MAX_IMAGE_PIXELS_ENV}={raw!r} must be a positive pixel count")
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+        raise ValueError(f"preprocessor config: {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _triple(name: str, value: Any) -> tuple[float, float, float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value] * 3
+    try:
+        vals = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"preprocessor config: {name} must be 3 numbers (one per RGB channel), got {value!r}") from None
+    if len(vals) != 3:
+        raise ValueError(f"preprocessor config: {name} must have 3 values (one per RGB channel), got {len(vals)}: {value!r}")
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"preprocessor config: {name} must be finite, got {value!r}")
+    return vals  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PreprocessorConfig:
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 1
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+    resample: int = int(Image.Resampling.BICUBIC)
+    #: decode cap on width*height read from the header; default from FD_MAX_IMAGE_PIXELS.
+    max_image_pixels: int = field(default_factory=_max_image_pixels_from_env)
+    #: where the values came from: a preprocessor_config.json path, "dict" or "defaults".
+    source: str = field(default="defaults", compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size",
+                     "max_image_pixels"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"preprocessor config: min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        object.__setattr__(self, "image_mean", _triple("image_mean", self.image_mean))
+        object.__setattr__(self, "image_std", _triple("image_std", self.image_std))
+        if any(s == 0 for s in self.image_std):
+            raise ValueError(f"preprocessor config: image_std must be non-zero, got {self.image_std}")
+        rf = self.rescale_factor
+        if isinstance(rf, bool) or not isinstance(rf, (int, float)) or not math.isfinite(rf) or rf <= 0:
+            raise ValueError(f"preprocessor config: rescale_factor must be a positive number, got {rf!r}")
+        object.__setattr__(self, "rescale_factor", float(rf))
+        try:
+            resample = int(self.resample)
+            Image.Resampling(resample)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"preprocessor config: resample must be a PIL resampling filter id (0-5, 3 = BICUBIC), "
+                f"got {self.resample!r}") from None
+        object.__setattr__(self, "resample", resample)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "dict", **overrides: Any) -> "PreprocessorConfig":
+        """Build from a preprocessor_config.json dict.
+
+        Accepts ``min_pixels``/``max_pixels`` at the top level, ``size: {shortest_edge,
+        longest_edge}`` (transformers 5) and ``size: {min_pixels, max_pixels}`` (older dumps);
+        top-level keys win, as in transformers. Unknown keys are ignored. ``overrides`` (e.g.
+        ``max_image_pixels=...``) replace values from ``d``.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"preprocessor config must be a JSON object, got {type(d).__name__}")
+        kw: dict[str, Any] = {}
+        size = d.get("size")
+        if size is not None:
+            if not isinstance(size, Mapping):
+                raise ValueError(
+                    f"preprocessor config: size must be an object with shortest_edge/longest_edge "
+                    f"(or min_pixels/max_pixels), got {size!r}")
+            for key, dst in (("shortest_edge", "min_pixels"), ("min_pixels", "min_pixels"),
+                             ("longest_edge", "max_pixels"), ("max_pixels", "max_pixels")):
+                if size.get(key) is not None:
+                    kw[dst] = size[key]
+        for key in ("min_pixels", "max_pixels"):
+            if d.get(key) is not None:
+                kw[key] = d[key]
+        for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std",
+                    "rescale_factor", "do_rescale", "do_normalize", "do_convert_rgb", "resample",
+                    "max_image_pixels"):
+            if d.get(key) is not None:
+                kw[key] = d[key]
+        if d.get("do_resize") is False:
+            raise ValueError("preprocessor config: do_resize=false is not supported (PaddleOCR-VL needs "
+                             "images resized to multiples of patch_size*merge_size)")
+        kw.update(overrides)
+        for flag in ("do_rescale", "do_normalize", "do_convert_rgb"):
+            if flag in kw and not isinstance(kw[flag], bool):
+                raise ValueError(f"preprocessor config: {flag} must be true/false, got {kw[flag]!r}")
+        if kw.get("do_convert_rgb") is False:
+            logger.warning("preprocessor config sets do_convert_rgb=false; images are converted to RGB "
+                           "anyway (the vision encoder takes 3 channels)")
+        return cls(source=source, **kw)
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike, **overrides: Any) -> "PreprocessorConfig":
+        """Read ``<path>/preprocessor_config.json`` if present, else use the built-in defaults.
+
+        ``cfg.source`` says which was used (the JSON path or ``"defaults"``)."""
+        p = Path(path)
+        f = p / PREPROCESSOR_CONFIG_NAME if p.is_dir() or not p.suffix else p
+        if not f.is_file():
+            logger.info("no %s in %s; using default preprocessor settings", PREPROCESSOR_CONFIG_NAME, p)
+            return cls(source="defaults", **overrides)
+        try:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{f}: cannot read preprocessor config: {e}") from None
+        try:
+            cfg = cls.from_dict(d, source=str(f), **overrides)
+        except ValueError as e:
+            raise ValueError(f"{f}: {e}") from None
+        logger.info("preprocessor settings from %s: min_pixels=%d max_pixels=%d factor=%d",
+                    f, cfg.min_pixels, cfg.max_pixels, cfg.factor)
+        return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# sizing
+# --------------------------------------------------------------------------------------------
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DEFAULT_MIN_PIXELS,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """Target (height, width), multiples of ``factor``; same arithmetic as transformers.
+
+    Images thinner than ``factor`` are first stretched to ``factor`` (keeping the aspect ratio,
+    Python's round-half-even). Raises ``ImageInputError`` (a ValueError) above aspect ratio 200."""
+    if height <= 0 or width <= 0:
+        raise ImageInputError(None, f"image has an empty size {width}x{height}",
+                              "Provide an image with at least one pixel")
+    if height < factor:
+        width = round((width * factor) / height)
+        height = factor
+    if width < factor:
+        height = round((height * factor) / width)
+        width = factor
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageInputError(
+            None,
+            f"aspect ratio {max(height, width) / min(height, width):.1f} is above the supported maximum "
+            f"of {MAX_ASPECT_RATIO}",
+            "Crop or split the image into less elongated pieces")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+
+def _source_name(src: Any, name: str | None) -> str:
+    if name:
+        return str(name)
+    if isinstance(src, (str, os.PathLike)):
+        return os.fspath(src)
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return "<bytes>"
+    if isinstance(src, Image.Image):
+        fn = getattr(src, "filename", None)
+        return str(fn) if fn else "<PIL image>"
+    return f"<{type(src).__name__}>"
+
+
+def _fmt_pixels(n: int) -> str:
+    return f"{n:,} pixels ({n / 1e6:.1f} MP)"
+
+
+def _ensure_pil_bomb_limit(cap: int) -> None:
+    """PIL's own bomb check (in Image.open) must not be stricter than our cap, or images we accept
+    would fail inside PIL with its generic message. Only ever raises PIL's global limit, never
+    lowers it; our header check enforces ``cap`` before decoding."""
+    cur = Image.MAX_IMAGE_PIXELS
+    if cur is not None and cur < cap:
+        Image.MAX_IMAGE_PIXELS = cap
+
+
+def _bomb_error(label: str, cap: int) -> ImageInputError:
+    # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS, and _ensure_pil_bomb_limit keeps that >= cap.
+    limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    return ImageInputError(
+        label,
+        f"image header claims more than {_fmt_pixels(limit)}, above the decode cap of {_fmt_pixels(cap)} "
+        f"(refused before decoding as a possible decompression bomb)",
+        f"Downscale it before sending, or raise {MAX_IMAGE_PIXELS_ENV} / max_image_pixels if it is legitimate")
+
+
+def _convert_rgb(img: Image.Image) -> Image.Image:
+    """transformers' convert_to_rgb for PIL images: transparency composited onto white."""
+    has_alpha = "A" in img.getbands() or img.info.get("transparency") is not None
+    if has_alpha:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if img.mode == "RGB":
+        return img
+    return img.convert("RGB")
+
+
+def load_image(src: ImageSource, cfg: PreprocessorConfig | None = None, name: str | None = None, *,
+               exif_transpose: bool = True) -> Image.Image:
+    """Open, validate, fully decode and convert an image to RGB.
+
+    ``src``: a path (str / PathLike), encoded bytes, or a PIL image. ``name`` overrides the name used
+    in error messages (e.g. ``"<image 3>"``). Paths and bytes get their EXIF orientation applied
+    (as transformers' ``load_image`` does for paths); PIL images are taken as they are (as the
+    transformers processor does). Every failure raises ``ImageInputError`` naming the source.
+    """
+    cfg = cfg or PreprocessorConfig()
+    label = _source_name(src, name)
+    cap = cfg.max_image_pixels
+
+    if isinstance(src, Image.Image):
+        img = src
+        w, h = img.size
+        _check_size(label, w, h, cfg)
+        try:
+            img.load()
+            return _convert_rgb(img)
+        except ImageInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never leak a raw PIL error
+            raise ImageInputError(label, f"cannot decode the image ({type(e).__name__}: {e})",
+                                  "Check that the image data is complete and valid") from None
+
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        if not data:
+            raise ImageInputError(label, "image data is empty (0 bytes)", "Send the encoded image bytes")
+        fp: Any = io.BytesIO(data)
+    elif isinstance(src, (str, os.PathLike)):
+        path = Path(os.fspath(src))
+        if not path.exists():
+            raise ImageInputError(label, "file not found", "Check the path")
+        if path.is_dir():
+            raise ImageInputError(label, "is a directory, not an image file", "Pass the path of an image file")
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise ImageInputError(label, f"cannot stat file ({e.strerror or e})", "Check the path and permissions") from None
+        if size == 0:
+            raise ImageInputError(label, "file is empty (0 bytes)", "Re-export or re-download the image")
+        if not os.access(path, os.R_OK):
+            raise ImageInputError(label, "file is not readable (permission denied)", "Check the file permissions")
+        fp = path
+    else:
+        raise ImageInputError(label, f"unsupported image input type {type(src).__name__}",
+                              "Pass a file path, encoded image bytes or a PIL.Image")
+
+    _ensure_pil_bomb_limit(cap)
+    # PIL warns (and some plugins re-check on load) for sizes above Image.MAX_IMAGE_PIXELS >= cap:
+    # such images are refused by our own cap anyway, so the warning is silenced here instead of
+    # leaking to the log (or raising as a bare warning under `-W error`). catch_warnings is
+    # process-global state in Python 3.11; the only thing it touches is this one warning class.
+    try:
+        with warnings.catch_warnings():
+            # We apply our own (<= PIL's) cap right below, before decoding; PIL's warning is noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(fp)  # lazy: reads the header only
+    except Image.DecompressionBombError:
+        raise _bomb_error(label, cap) from None
+    except Image.UnidentifiedImageError:
+        raise ImageInputError(label, "not a recognised image format (corrupt or not an image)",
+                              "Send a PNG, JPEG, WebP, BMP, GIF or TIFF image") from None
+    except Exception as e:  # noqa: BLE001 - OSError (permissions, I/O), SyntaxError, ...
+        raise ImageInputError(label, f"cannot open image ({type(e).__name__}: {e})",
+                              "Check that the file is a valid image") from None
+
+    opened = img
+    rgb = None
+    w, h = img.size
+    try:
+        _check_size(label, w, h, cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()  # force the full decode here so truncation/corruption surfaces now
+            if img.size != (w, h):  # a few formats (ICO, EPS, ...) settle their size on load
+                _check_size(label, *img.size, cfg)
+            if exif_transpose:
+                img = ImageOps.exif_transpose(img)
+            rgb = _convert_rgb(img)
+            rgb.load()
+    except ImageInputError:
+        raise
+    except Image.DecompressionBombError:
+        raise _bomb_error(label, cap) from None
+    except MemoryError:
+        raise ImageInputError(label, f"out of memory decoding a {w}x{h} image",
+                              f"Downscale it or lower {MAX_IMAGE_PIXELS_ENV}") from None
+    except Exception as e:  # noqa: BLE001 - OSError, SyntaxError, struct.error, ValueError, ...
+        what = "truncated" if "truncat" in str(e).lower() else "corrupt"
+        raise ImageInputError(label, f"image data is {what} and cannot be decoded ({type(e).__name__}: {e})",
+                              "Re-export or re-download the image") from None
+    finally:
+        if rgb is not opened:
+            opened.close()  # releases the file handle (multi-frame formats keep it open)
+    return rgb
+
+
+def _check_size(label: str, w: int, h: int, cfg: PreprocessorConfig) -> None:
+    """Header-level checks, before any pixel is decoded."""
+    if w <= 0 or h <= 0:
+        raise ImageInputError(label, f"image has an empty size {w}x{h}", "Provide an image with at least one pixel")
+    if w * h > cfg.max_image_pixels:
+        raise ImageInputError(
+            label,
+            f"image is {w}x{h} = {_fmt_pixels(w * h)}, above the decode cap of {_fmt_pixels(cfg.max_image_pixels)} "
+            f"(refused before decoding as a possible decompression bomb)",
+            f"Downscale it before sending, or raise {MAX_IMAGE_PIXELS_ENV} / max_image_pixels if it is legitimate")
+    try:
+        smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ImageInputError as e:
+        raise e.with_source(label) from None
+
+
+# --------------------------------------------------------------------------------------------
+# processing
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class ProcessedImage:
+    #: float32, [grid_h*grid_w, 3*temporal_patch_size, patch, patch], contiguous, raster order
+    pixel_values: torch.Tensor
+    #: (1, grid_h, grid_w) as Python ints
+    grid_thw: tuple[int, int, int]
+    source: str
+    #: (height, width) of the decoded image (after EXIF orientation)
+    original_size: tuple[int, int]
+    #: (height, width) after smart_resize
+    resized_size: tuple[int, int]
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_thw[0] * self.grid_thw[1] * self.grid_thw[2]
+
+
+class ImageProcessor:
+    """PaddleOCR-VL preprocessing; outputs equal transformers' PaddleOCRVLImageProcessorPil."""
+
+    def __init__(self, cfg: PreprocessorConfig | None = None):
+        self.cfg = cfg or PreprocessorConfig()
+        self._lut = self._build_lut(self.cfg)
+
+    @staticmethod
+    def _build_lut(cfg: PreprocessorConfig) -> np.ndarray:
+        """[3, 256] float32: the rescale+normalize result for every uint8 value, per channel.
+
+        Same ops and dtypes as transformers: rescale = float32(float64(v) * factor); normalize in
+        float32 with mean/std cast to float32. Elementwise IEEE ops, so the table is exact."""
+        v = np.arange(256, dtype=np.uint8)[None, :].repeat(3, axis=0)
+        if cfg.do_rescale:
+            x = (v.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+        else:
+            x = v.astype(np.float32)
+        if cfg.do_normalize:
+            mean = np.array(cfg.image_mean, dtype=x.dtype)[:, None]
+            std = np.array(cfg.image_std, dtype=x.dtype)[:, None]
+            x = (x - mean) / std
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        c = self.cfg
+        return smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
+
+    def num_patches(self, height: int, width: int) -> int:
+        """Number of patches (rows of pixel_values) for an image of this size; before merging."""
+        h, w = self.resized_size(height, width)
+        return (h // self.cfg.patch_size) * (w // self.cfg.patch_size)
+
+    def load(self, src: ImageSource, name: str | None = None) -> Image.Image:
+        return load_image(src, self.cfg, name)
+
+    def preprocess(self, src: ImageSource, name: str | None = None) -> ProcessedImage:
+        label = _source_name(src, name)
+        img = load_image(src, self.cfg, label)
+        try:
+            return self._process_rgb(img, label)
+        finally:
+            if img is not src:
+                img.close()
+
+    def __call__(self, images: Iterable[ImageSource] | ImageSource,
+                 names: Iterable[str | None] | None = None) -> list[ProcessedImage]:
+        if isinstance(images, (str, os.PathLike, bytes, bytearray, memoryview, Image.Image)):
+            images = [images]
+        images = list(images)
+        names = list(names) if names is not None else [None] * len(images)
+        if len(names) != len(images):
+            raise ValueError(f"got {len(names)} names for {len(images)} images")
+        out = []
+        for i, (src, nm) in enumerate(zip(images, names)):
+            if nm is None:
+                nm = _source_name(src, None)
+                if nm.startswith("<"):
+                    nm = f"<image {i}>"
+            out.append(self.preprocess(src, nm))
+        return out
+
+    def _process_rgb(self, img: Image.Image, label: str) -> ProcessedImage:
+        c = self.cfg
+        w0, h0 = img.size
+        try:
+            rh, rw = self.resized_size(h0, w0)
+        except ImageInputError as e:
+            raise e.with_source(label) from None
+        # transformers: np.array(rgb) -> CHW -> PIL.fromarray(HWC uint8) -> resize -> np.array.
+        # Resizing the RGB PIL image directly is the same operation on the same bytes.
+        resized = img.resize((rw, rh), resample=c.resample)
+        arr = np.asarray(resized, dtype=np.uint8)  # [H, W, 3]
+        if arr.ndim != 3 or arr.shape[2] != 3:
+            raise ImageInputError(label, f"unexpected decoded shape {arr.shape}", "Send an RGB-convertible image")
+        p = c.patch_size
+        gh, gw = rh // p, rw // p
+        # patchify the uint8 image first (cheap), then map values through the LUT (exact).
+        u8 = arr.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3)  # [gh, gw, 3, p, p]
+        out = np.empty((gh, gw, 3, p, p), dtype=np.float32)
+        for ch in range(3):
+            np.take(self._lut[ch], u8[:, :, ch], out=out[:, :, ch])
+        out = out.reshape(gh * gw, 3, p, p)
+        if c.temporal_patch_size > 1:  # transformers broadcasts each channel T times (c-major)
+            out = np.repeat(out, c.temporal_patch_size, axis=1)
+        pv = torch.from_numpy(np.ascontiguousarray(out))
+        return ProcessedImage(pixel_values=pv, grid_thw=(1, int(gh), int(gw)), source=label,
+                              original_size=(int(h0), int(w0)), resized_size=(int(rh), int(rw)))
+
+
+__all__ = [
+    "ImageInputError", "PreprocessorConfig", "ProcessedImage", "ImageProcessor", "smart_resize",
+    "load_image", "DEFAULT_MAX_IMAGE_PIXELS", "MAX_IMAGE_PIXELS_ENV",
+]

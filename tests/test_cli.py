@@ -1,0 +1,116 @@
+"""The `fastdeploy-ext` command line, run as a real subprocess (the contract of DESIGN.md s5)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastdeploy_ext.conformance.tiny_model import reference_image_features
+from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+
+
+def cli(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=300)
+    if check and r.returncode != 0:
+        raise AssertionError(f"rc={r.returncode}\nstdout:{r.stdout}\nstderr:{r.stderr}")
+    return r
+
+
+@pytest.mark.parametrize("layout", ["torch", "paddle"])
+def test_encode_matches_transformers(layout, tiny_dirs, png_files, tmp_path):
+    out = tmp_path / "feats.safetensors"
+    r = cli("encode", "--model", tiny_dirs[layout], *sum([["--image", p] for p in png_files], []),
+            "--device", "cpu", "--dtype", "float32", "--output", out)
+    assert "row=cpu" in r.stderr and "qkv_layout" in r.stderr          # plan printed at start-up
+    got = load_file(str(out))
+    assert sorted(got) == ["grid_thw", "image_0", "image_1", "image_2"]
+    proc = ImageProcessor(PreprocessorConfig.from_model_dir(tiny_dirs[layout]))
+    imgs = [proc.preprocess(p) for p in png_files]
+    grids = [im.grid_thw for im in imgs]
+    assert got["grid_thw"].dtype == torch.int64 and got["grid_thw"].tolist() == [list(g) for g in grids]
+    ref = reference_image_features(tiny_dirs["torch"], torch.cat([im.pixel_values for im in imgs]), grids)
+    for i, r_i in enumerate(ref):
+        o = got[f"image_{i}"]
+        assert o.dtype == torch.float32 and o.shape == r_i.shape == (grids[i][1] * grids[i][2] // 4, 64)
+        assert float((o - r_i).abs().max()) <= 1e-4
+
+
+def test_encode_bf16_writes_compute_dtype(tiny_dirs, png_files, tmp_path):
+    out = tmp_path / "bf16.safetensors"
+    cli("encode", "--model", tiny_dirs["torch"], "--image", png_files[0], "--device", "cpu", "--dtype", "bfloat16",
+        "--output", out)
+    assert load_file(str(out))["image_0"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "corrupt", "tiny_aspect"])
+def test_encode_bad_image_is_one_clear_line(kind, tiny_dirs, tmp_path):
+    from PIL import Image
+    bad = tmp_path / f"{kind}.png"
+    if kind == "empty":
+        bad.write_bytes(b"")
+    elif kind == "corrupt":
+        bad.write_bytes(b"\x89PNG\r\n\x1a\nthis is not a png")
+    elif kind == "tiny_aspect":
+        Image.new("RGB", (1, 300)).save(bad)
+    r = cli("encode", "--model", tiny_dirs["torch"], "--image", bad, "--device", "cpu", "--output",
+            tmp_path / "x.safetensors", check=False)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert bad.name in r.stderr and "error" in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_encode_needs_model_or_dummy(png_files, tmp_path):
+    r = cli("encode", "--image", png_files[0], "--output", tmp_path / "x.safetensors", check=False)
+    assert r.returncode == 2 and "--model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_flag_and_bad_choice_are_usage_errors(tmp_path):
+    assert cli("encode", "--bogus", check=False).returncode == 2
+    r = cli("info", "--dtype", "float64", check=False)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_absent_device_is_a_clear_error():
+    r = cli("info", "--device", "cuda", check=False)
+    if torch.cuda.is_available():
+        pytest.fail("this test expects a machine without CUDA")
+    assert r.returncode == 2 and "not present" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_impossible_plan_names_the_row():
+    r = cli("info", "--device", "cpu", "--graph-optimization-config", '{"use_cudagraph": true}', check=False)
+    assert r.returncode == 2 and "row cpu" in r.stderr
+    r = cli("info", "--device", "cpu", "--graph-optimization-config", '{"use_cudagraf": true}', check=False)
+    assert r.returncode == 2 and "unknown keys" in r.stderr
+
+
+def test_info_prints_probe_and_plan_with_reasons():
+    r = cli("info", "--device", "cpu_amx", "--json")
+    assert "probes:" in r.stdout and "oneDNN AMX evidence" in r.stdout
+    assert "plan: runner=cpu_amx" in r.stdout
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    plan = last["plan"]
+    assert plan["row"] in ("cpu", "cpu_amx")
+    for k in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "compile_layers"):
+        assert plan[k]["reason"]
+    if plan["row"] == "cpu":
+        assert "no AMX" in r.stdout
+
+
+def test_encode_dummy_weights_builtin_config(tmp_path):
+    """--load-format dummy: 0.9B config, code-default preprocessing, one small image."""
+    from PIL import Image
+    img = tmp_path / "small.png"
+    Image.new("RGB", (56, 56), (200, 10, 10)).save(img)
+    out = tmp_path / "d.safetensors"
+    cli("encode", "--load-format", "dummy", "--image", img, "--device", "cpu", "--output", out)
+    got = load_file(str(out))
+    t, h, w = got["grid_thw"][0].tolist()
+    assert got["image_0"].shape == (h * w // 4, 1024)   # code default min_pixels upsizes to 384x384-ish
+    assert torch.isfinite(got["image_0"]).all()

@@ -1,0 +1,86 @@
+"""Capability rows x probes -> plans, for devices this machine does not have (fake probes)."""
+from __future__ import annotations
+
+import pytest
+
+from fastdeploy_ext.graphs import pack_groups
+from fastdeploy_ext.plan import (EncoderGraphPath, GraphOptimizationConfig, PlanError, PlanRequest, load_table,
+                                 resolve_plan)
+
+ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
+
+
+def test_table_has_the_four_device_families():
+    t = load_table()
+    assert {"cuda_sm90", "cuda_sm80", "metax_c500", "cpu_amx", "cpu"} <= set(t)
+    for row in t.values():
+        assert row.default_dtype in row.dtypes and row.attention
+
+
+def test_h200_plan():
+    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+    assert p.dtype.value == "bfloat16" and p.attention.value == "triton_varlen"
+    assert p.strided_qkv and p.host_metadata and p.graphs.value and p.compile_layers.value
+    assert p.attention_fallbacks == ("sdpa_cudnn", "sdpa")
+
+
+def test_h200_without_triton_falls_back_and_turns_graphs_off():
+    avail = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"))
+    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=avail)
+    assert p.attention.value == "sdpa_cudnn"
+    assert any("triton_varlen skipped" in n and "triton not importable" in n for n in p.notes)
+    assert p.graphs.value == () and "cannot be replayed" in p.graphs.reason
+    with pytest.raises(PlanError, match="cuda_sm90"):
+        resolve_plan(load_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True)),
+                     device="cuda:0", head_dim=72, available=avail)
+
+
+def test_fp32_on_h200_skips_bf16_only_kernels():
+    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(dtype="float32"), device="cuda:0", head_dim=72,
+                     available=ALL_AVAILABLE)
+    assert p.attention.value == "sdpa"
+
+
+def test_metax_row_is_dense_host_graphs_opt_in():
+    row = load_table()["metax_c500"]
+    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
+    assert p.qkv_layout.value == "dense" and "does not read strided" in p.qkv_layout.reason
+    assert p.host_metadata and p.graphs.value == () and p.emulated and "EMULATED" in p.describe()
+    with pytest.raises(PlanError, match="metax_c500"):
+        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+
+
+def test_head_dim_outside_every_kernel_is_an_error():
+    with pytest.raises(PlanError, match="cuda_sm90"):
+        resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=1024, available=ALL_AVAILABLE)
+
+
+def test_bad_flag_values_are_plan_errors():
+    with pytest.raises(PlanError, match="qkv-layout"):
+        resolve_plan(load_table()["cpu"], PlanRequest(qkv_layout="diagonal"), device="cpu", head_dim=72,
+                     available=ALL_AVAILABLE)
+
+
+def test_graph_config_json():
+    gc = GraphOptimizationConfig.from_json('{"use_cudagraph": true, "encoder_graph_paths": '
+                                           '[{"name": "b", "min_tokens": 256, "max_tokens": 3000, '
+                                           '"max_image_tokens": 1000, "max_segments": 8}]}')
+    assert gc.use_cudagraph and gc.encoder_graph_paths[0].budgets == (256, 512, 1024, 2048, 3000)
+    for bad in ('[1]', '{"use_cudagraph": true, "x": 1}', '{"encoder_graph_paths": [{"name": "b"}]}',
+                '{"encoder_graph_paths": [{"name": "b", "min_tokens": 9, "max_tokens": 4, '
+                '"max_image_tokens": 4, "max_segments": 1}]}', "{nope"):
+        with pytest.raises(ValueError):
+            GraphOptimizationConfig.from_json(bad)
+
+
+def test_greedy_packing_routes_and_splits():
+    paths = (EncoderGraphPath("blocks", 64, 256, 100, 3), EncoderGraphPath("pages", 512, 1024, 1024, 2))
+    grids = [(1, 8, 8), (1, 8, 8), (1, 8, 8), (1, 8, 8), (1, 20, 20), (1, 40, 40), (1, 8, 10)]
+    groups = pack_groups(grids, paths)
+    assert [(p.name if p else None, i) for p, i in groups] == [
+        ("blocks", [0, 1, 2]),      # max_segments 3 closes the group
+        ("blocks", [3]),
+        ("pages", [4]),             # 400 patches > blocks' max_image_tokens
+        (None, [5]),                # 1600 > every path: eager
+        ("blocks", [6]),
+    ]
