@@ -55,8 +55,11 @@ module-level mutable state: call the probes when you need an answer (tests injec
 
 ``probe_all()`` -> ``{"cuda": ..., "metax": ..., "cpu": ...}``.
 """
+# Probes must never raise, whatever a vendor library throws: blind excepts are the point here.
+# ruff: noqa: BLE001, S110
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -615,13 +618,14 @@ def parse_onednn_verbose(text: str) -> AmxEvidence:
         reason = (f"oneDNN executed AMX kernels ({', '.join(k for k in kernels if _is_amx_impl(k))}); "
                   f"{amx} of {compute} compute primitives ran on AMX")
     elif not isa and not kernels:
-        reason = "no oneDNN verbose output (torch without oneDNN, or nothing dispatched to it)"
+        reason = ("no oneDNN verbose output: nothing was dispatched to oneDNN (torch without oneDNN, or "
+                  "oneDNN's ISA, possibly capped by ONEDNN_MAX_CPU_ISA, lacks the bf16 support torch requires)")
     elif isa_has_amx:
         reason = (f"oneDNN's ISA ceiling includes AMX but none of {compute} executed compute primitives "
                   f"used an AMX kernel (executed: {', '.join(kernels) or 'none'})")
     else:
-        reason = (f"oneDNN ISA is {isa or 'unknown'!r} (no AMX); {compute} compute primitives ran on "
-                  f"non-AMX kernels: {', '.join(kernels) or 'none'}")
+        reason = (f"oneDNN ISA is {isa or 'unknown'!r} (no AMX); {compute} compute primitives, none on AMX; "
+                  f"executed kernels: {', '.join(kernels) or 'none'}")
     shown = compute_lines[:5] + other_lines[:max(0, 5 - len(compute_lines))]
     excerpt = "\n".join(([isa_line] if isa_line else []) + shown)
     return AmxEvidence(amx_used, isa, kernels, excerpt, reason, compute, amx)
@@ -655,17 +659,19 @@ def onednn_amx_evidence(timeout_s: float = 60, max_cpu_isa: str | None = None) -
     cap = env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or None
     cap_txt = f" [ONEDNN_MAX_CPU_ISA={cap}]" if cap else ""
     try:
-        proc = subprocess.run([sys.executable, "-c", _AMX_CHILD], env=env, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", _AMX_CHILD], check=False, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         ev = parse_onednn_verbose(out)
-        return _with(ev, amx_used=False, reason=f"oneDNN probe timed out after {timeout_s}s{cap_txt}; {ev.reason}",
+        return _with(ev, reason=f"oneDNN probe timed out after {timeout_s}s{cap_txt}; {ev.reason}",
                      max_cpu_isa=cap)
     except Exception as e:
         return AmxEvidence(False, "", [], "", f"could not start the oneDNN probe subprocess: {_err(e)}",
                            max_cpu_isa=cap)
     ev = parse_onednn_verbose(proc.stdout + "\n" + proc.stderr)
+    if "fdx: torch" in proc.stdout and " mkldnn False" in proc.stdout:
+        ev = _with(ev, reason="torch.backends.mkldnn.is_available() is False in this torch build; " + ev.reason)
     if proc.returncode != 0:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         return _with(ev, reason=f"oneDNN probe subprocess exited {proc.returncode}{cap_txt}: {tail}; {ev.reason}",
@@ -674,8 +680,7 @@ def onednn_amx_evidence(timeout_s: float = 60, max_cpu_isa: str | None = None) -
 
 
 def _with(ev: AmxEvidence, **kw) -> AmxEvidence:
-    from dataclasses import replace
-    return replace(ev, **kw)
+    return dataclasses.replace(ev, **kw)
 
 
 # ------------------------------------------------------------------------------------------ all
