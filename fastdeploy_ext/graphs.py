@@ -9,7 +9,7 @@ prepared outside the graph on the host path and copied into the graph's static b
 device-to-device copies: replay makes no host sync.
 
 Padding needs an attention kernel whose launch does not depend on the batch: the Triton varlen
-kernel runs a fixed grid over a block table padded with empty (length 0) entries.
+kernel runs a fixed grid over a block table padded with no-op entries.
 """
 from __future__ import annotations
 
@@ -50,7 +50,10 @@ class _BudgetGraph:
         self.cos = torch.ones(tokens, vc.head_dim, device=dev, dtype=torch.float32)
         self.sin = torch.zeros(tokens, vc.head_dim, device=dev, dtype=torch.float32)
         self.merge_index = torch.arange(tokens, device=dev)
-        self.block_table = torch.zeros(self.max_blocks, 3, device=dev, dtype=torch.int32)
+        # Unused block-table rows must be valid no-ops for the kernel's fixed grid: a 1-token
+        # sequence at offset 0 whose query block starts past its end stores nothing.
+        self.noop_table = torch.tensor([[0, 1, BLOCK_M]], device=dev, dtype=torch.int32).repeat(self.max_blocks, 1)
+        self.block_table = self.noop_table.clone()
         self.meta = VisionMetadata(
             num_tokens=tokens, seq_lens=[tokens], cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32),
             max_seqlen=tokens, cos=self.cos, sin=self.sin, pos_embed=self.pos, merge_index=self.merge_index,
@@ -81,7 +84,7 @@ class _BudgetGraph:
         self.sin[:n].copy_(meta.sin)
         self.merge_index[:n].copy_(meta.merge_index)
         bt = meta.extras["block_table"]
-        self.block_table.zero_()                       # empty entries: the kernel skips them
+        self.block_table.copy_(self.noop_table)
         self.block_table[:bt.shape[0]].copy_(bt)
         self.graph.replay()
         return self.out[:n // 4]

@@ -44,6 +44,7 @@ VARIANTS = (
     Variant("strided/host/eager", "strided", "host", False),
     Variant("strided/host/eager+compile", "strided", "host", False, "on"),
     Variant("strided/host/graph+compile", "strided", "host", True, "on"),
+    Variant("cudnn:strided/host/eager+compile", "strided", "host", False, "on", "sdpa_cudnn"),
 )
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU leg, in one call on the device machine (H200: torch 2.11, triton 3.6, transformers 5.17,
+# 16 AMX cores, no internet). Installs what it lacks from carried wheels (.whl: transformers 5.24
+# for the reference), then runs probes/plans, the conformance suite for cuda, metax (EMULATED on
+# the GPU) and cpu_amx (host CPU with AMX), the attention micro-benchmark and `bench vision`.
+# Everything lands under $OUT (at most 8 files come back).
+#   usage: ci/gpu_leg.sh [all|conformance|bench|attn]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/env.txt" 2>&1
+steps=${*:-all}
+want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+rc=0
+if want conformance; then
+  { for d in cuda cpu_amx; do echo "### fastdeploy-ext info --device $d"; fastdeploy-ext info --device $d; done; } > "$OUT/info.txt" 2>&1 || rc=1
+  for b in cuda metax cpu_amx; do
+    echo "### conformance $b ($(date -u +%FT%TZ))"
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -rA --pyargs fastdeploy_ext.conformance --fdx-backend $b -s 2>&1 | tail -60 || rc=1
+  done > "$OUT/conformance.txt" 2>&1
+  grep -E "passed|failed|error" "$OUT/conformance.txt" | tail -6
+fi
+if want bench; then
+  timeout 220 fastdeploy-ext bench vision --device cuda --json-out "$OUT/bench_vision.json" ${BENCH_ARGS:-} > "$OUT/bench_vision.txt" 2>&1 || rc=1
+  tail -12 "$OUT/bench_vision.txt"
+fi
+if want attn; then
+  timeout 90 python3 -m fastdeploy_ext.bench.attention --quick > "$OUT/attn_bench.txt" 2>&1 || rc=1
+  tail -40 "$OUT/attn_bench.txt"
+fi
+exit $rc
