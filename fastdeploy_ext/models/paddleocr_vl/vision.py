@@ -7,6 +7,7 @@ Linear [3*hidden, hidden]. What varies by device is decided by the RunPlan, pass
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,10 +52,17 @@ class LayerHalves:
 EAGER_HALVES = LayerHalves(_qkv_half, _mlp_half)
 
 
+@functools.cache
+def compiled_halves() -> LayerHalves:
+    """torch.compile of both halves (fuses LayerNorm, bias, GELU and residual adds around the
+    GEMMs), dynamic in the token count; made once per process so every runner and layer shares
+    the compiled code instead of recompiling it."""
+    return LayerHalves(torch.compile(_qkv_half, dynamic=True), torch.compile(_mlp_half, dynamic=True))
+
+
 def compile_layer_halves(encoder: "VisionEncoder") -> LayerHalves:
-    """torch.compile both halves (fuses LayerNorm, bias, GELU and residual adds around the
-    GEMMs) with dynamic token counts, and install them on every layer."""
-    halves = LayerHalves(torch.compile(_qkv_half, dynamic=True), torch.compile(_mlp_half, dynamic=True))
+    """Install the compiled halves on every layer of the encoder."""
+    halves = compiled_halves()
     for layer in encoder.layers:
         layer.halves = halves
     return halves
