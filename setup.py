@@ -17,10 +17,14 @@ setup(
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
-        # pymxsml ships with the MACA SDK and is not on PyPI: the metax probe imports it lazily.
+        # pymxsml ships with the MACA SDK (not on PyPI); Paddle-layout checkpoints need only
+        # safetensors. Both extras exist so deployment recipes can name them; they add nothing.
         "metax": [],
         "paddle": [],
-        "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12"],
+        # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
+        # interpreter-mode tests on the CPU.
+        "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",
+                 "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={
         "console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"],

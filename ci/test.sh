@@ -4,7 +4,7 @@
 # cpu_amx (which reports the cpu row when the CPU has no AMX) and metax (EMULATED).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 $PY -m pytest -q tests "$@"
 for backend in ${FDX_BACKENDS:-cpu cpu_amx metax}; do
   echo "=== conformance: $backend"

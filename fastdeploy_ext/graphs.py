@@ -114,14 +114,26 @@ def pack_groups(grids: list[tuple[int, int, int]], paths: tuple[EncoderGraphPath
     return groups
 
 
+def route_batch(grids: list[tuple[int, int, int]], paths: tuple[EncoderGraphPath, ...], split_oversize: bool
+                ) -> list[tuple[EncoderGraphPath | None, list[int]]]:
+    """Replay groups for a batch. A batch that fits one budget of one path is one replay. A
+    batch that does not is, by default, one eager packed pass: on the H200 that beat splitting
+    it into several padded replays (docs/PERFORMANCE.md: 16 blocks 25.3 vs 33.7 ms, 64 small
+    blocks 35.3 vs 41.5 ms). ``split_oversize`` packs it greedily into replay groups instead."""
+    groups = pack_groups(grids, paths)
+    if split_oversize or (len(groups) == 1 and groups[0][0] is not None):
+        return groups
+    return [(None, list(range(len(grids))))]
+
+
 class EncoderGraphs:
-    def __init__(self, runner, paths: tuple[EncoderGraphPath, ...]):
+    def __init__(self, runner, paths: tuple[EncoderGraphPath, ...], split_oversize: bool = False):
         if runner.device.type != "cuda":
             raise RuntimeError("encoder graphs need a CUDA device")
         if not runner.execution.attention.needs_block_table:
             raise RuntimeError(f"encoder graphs need a fixed-grid attention kernel, plan has "
                                f"{runner.execution.attention.name}")
-        self.runner, self.paths = runner, paths
+        self.runner, self.paths, self.split_oversize = runner, paths, split_oversize
         self.graphs: dict[tuple[str, int], _BudgetGraph] = {}
         self.stats = GraphStats()
 
@@ -153,7 +165,7 @@ class EncoderGraphs:
         for t, h, w in grids:
             offsets.append(offsets[-1] + t * h * w)
         outs = []
-        for path, idx in pack_groups(grids, self.paths):
+        for path, idx in route_batch(grids, self.paths, self.split_oversize):
             sub_grids = [grids[j] for j in idx]
             sub_pixels = pixels[offsets[idx[0]]:offsets[idx[-1] + 1]]
             meta = self.runner.meta_builder.build_host(sub_grids)

@@ -48,8 +48,14 @@ class TorchRunner(DeviceRunner):
         return {"device": str(self.device), "peak_bytes": peak, "kind": "host RSS (peak)"}
 
     def capture_graphs(self) -> GraphReport:
-        reason = self.plan.graphs.reason if not self.plan.graphs.value else f"{self.name} runner has no graph capture"
-        return GraphReport(captured=0, reason=reason)
+        """Encoder graphs as the plan asks (the plan only turns them on for rows whose device
+        can capture them: CUDA, and MetaX's CUDA-compatible MACA)."""
+        if not self.plan.graphs.value:
+            return GraphReport(captured=0, reason=self.plan.graphs.reason)
+        self._require_model()
+        from .graphs import EncoderGraphs
+        self.graphs = EncoderGraphs(self, self.plan.graphs.value, self.plan.graph_split_oversize)
+        return self.graphs.capture()
 
     # ------------------------------------------------------------ construction
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_ext.graphs import pack_groups
+from fastdeploy_ext.graphs import pack_groups, route_batch
 from fastdeploy_ext.plan import (EncoderGraphPath, GraphOptimizationConfig, PlanError, PlanRequest, load_table,
                                  resolve_plan)
 
@@ -19,13 +19,14 @@ def test_table_has_the_four_device_families():
 
 def test_h200_plan():
     p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
-    assert p.dtype.value == "bfloat16" and p.attention.value == "triton_varlen"
-    assert p.strided_qkv and p.host_metadata and p.graphs.value and p.compile_layers.value
-    assert p.attention_fallbacks == ("sdpa_cudnn", "sdpa")
+    assert p.dtype.value == "bfloat16" and p.attention.value == "triton_varlen_rope"
+    assert p.strided_qkv and p.host_metadata and p.graphs.value and not p.compile_layers.value
+    assert p.attention_fallbacks == ("triton_varlen", "sdpa_cudnn", "sdpa")
 
 
 def test_h200_without_triton_falls_back_and_turns_graphs_off():
-    avail = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"))
+    avail = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"),
+                 triton_varlen_rope=(False, "triton not importable"))
     p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=avail)
     assert p.attention.value == "sdpa_cudnn"
     assert any("triton_varlen skipped" in n and "triton not importable" in n for n in p.notes)
@@ -84,3 +85,14 @@ def test_greedy_packing_routes_and_splits():
         (None, [5]),                # 1600 > every path: eager
         ("blocks", [6]),
     ]
+
+
+def test_oversize_batches_run_eager_unless_split():
+    paths = (EncoderGraphPath("blocks", 64, 256, 100, 3),)
+    fits = [(1, 8, 8), (1, 8, 8)]
+    assert [(p.name, i) for p, i in route_batch(fits, paths, False)] == [("blocks", [0, 1])]
+    big = [(1, 8, 8)] * 5
+    assert route_batch(big, paths, False) == [(None, [0, 1, 2, 3, 4])]
+    assert [(p.name, i) for p, i in route_batch(big, paths, True)] == [("blocks", [0, 1, 2]), ("blocks", [3, 4])]
+    gc = GraphOptimizationConfig.from_json('{"encoder_split_oversize_batches": true}')
+    assert gc.encoder_split_oversize_batches and gc.encoder_graph_paths[0].name == "blocks"

@@ -8,7 +8,6 @@ import torch
 
 from fastdeploy_ext.platforms import probe_nvidia
 from fastdeploy_ext.plan import CapabilityRow
-from fastdeploy_ext.runner import GraphReport
 from fastdeploy_ext.sync_guard import SyncRecorder, cuda_sync_guard
 from fastdeploy_ext.torch_runner import TorchRunner
 
@@ -54,11 +53,3 @@ class CudaRunner(TorchRunner):
 
     def memory_stats(self) -> dict:
         return cuda_memory_stats(self.device)
-
-    def capture_graphs(self) -> GraphReport:
-        if not self.plan.graphs.value:
-            return GraphReport(captured=0, reason=self.plan.graphs.reason)
-        self._require_model()
-        from fastdeploy_ext.graphs import EncoderGraphs
-        self.graphs = EncoderGraphs(self, self.plan.graphs.value)
-        return self.graphs.capture()

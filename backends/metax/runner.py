@@ -15,7 +15,6 @@ import torch
 
 from fastdeploy_ext.platforms import probe_metax
 from fastdeploy_ext.plan import CapabilityRow
-from fastdeploy_ext.runner import GraphReport
 from fastdeploy_ext.torch_runner import TorchRunner
 
 from ..cuda.runner import cuda_host_sync_guard, cuda_memory_stats
@@ -61,10 +60,3 @@ class MetaxRunner(TorchRunner):
         if self.plan.emulated:
             stats["kind"] += " [EMULATED MetaX]"
         return stats
-
-    def capture_graphs(self) -> GraphReport:
-        if not self.plan.graphs.value:
-            return GraphReport(captured=0, reason=self.plan.graphs.reason)
-        from fastdeploy_ext.graphs import EncoderGraphs
-        self.graphs = EncoderGraphs(self, self.plan.graphs.value)
-        return self.graphs.capture()

@@ -54,9 +54,16 @@ def test_graph_replay_equals_eager_and_falls_back_above_budget(backend_cls, make
     assert graphed.graphs.stats.per_budget == {("small", 64): 2}
     for a, b in zip(out, ref):
         close(a, b)
-    # 32 + 24 + 4 fit one replay of 64; the 60-patch image exceeds max_image_tokens: eager
+    # 120 patches exceed the largest budget (64): the whole batch runs eager, one packed pass
     big = batch_for(tiny_models["torch"], 4)
     out = graphed.encode_images(big)
-    assert graphed.graphs.stats.fallbacks == 1 and graphed.graphs.stats.hits == 3
+    assert graphed.graphs.stats.fallbacks == 4 and graphed.graphs.stats.hits == 2
+    for a, b in zip(out, eager.encode_images(big)):
+        assert torch.equal(a, b)
+    # with encoder_split_oversize_batches: 32 + 24 + 4 share one replay of 64, the 60-patch image
+    # (above max_image_tokens) runs eager
+    graphed.graphs.split_oversize = True
+    out = graphed.encode_images(big)
+    assert graphed.graphs.stats.fallbacks == 5 and graphed.graphs.stats.hits == 3
     for a, b in zip(out, eager.encode_images(big)):
         close(a, b)

@@ -1,0 +1,316 @@
+"""Tests for fastdeploy_ext.ops.triton_attention (one-launch varlen attention in Triton).
+
+CPU: the kernel runs under the Triton interpreter.  The interpreter only works when
+TRITON_INTERPRET=1 is set before triton is first imported in the process (triton decorates its
+own tl.zeros & co. at import), so setting it here would either come too late or turn other test
+modules' kernels into interpreted ones.  Hence: the ``test_interp_*`` tests run in-process only
+when the process was started with TRITON_INTERPRET=1; otherwise ``test_interpreter_subprocess``
+re-runs them in a child ``python -m pytest`` with the variable set (isolated from this process).
+
+The interpreter computes tl.dot with numpy matmul: fp32 dots are exact fp32 ("ieee"), fp16 dots
+take fp16 operands with fp32 accumulation, and bf16 dots are NOT supported by it (it multiplies
+the raw uint16 bit patterns), so bf16 is only tested on CUDA.
+
+CUDA (when present, compiled mode): ``test_cuda_*`` check bf16/fp16 at realistic sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastdeploy_ext.ops import triton_attention as ta
+
+SEQ_LENS = [5, 17, 64, 3]
+H = 2
+_REPO = Path(__file__).resolve().parents[1]
+
+interp = pytest.mark.skipif(
+    not ta._TRITON_INTERPRETED,
+    reason="interpreter test: runs in test_interpreter_subprocess (needs TRITON_INTERPRET=1 before import)",
+)
+
+
+@pytest.fixture
+def compiled():
+    if ta._TRITON_INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device and triton in compiled mode")
+    yield
+
+
+def _packed_qkv(n, h, d, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = torch.randn(n, 3 * h * d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    q, k, v = qkv.view(n, 3, h, d).unbind(1)
+    return qkv, q, k, v
+
+
+def _reference(q, k, v, seq_lens, scale):
+    """float64 per-sequence softmax(q k^T * scale) v, [N, H, D]."""
+    outs, s = [], 0
+    for n in seq_lens:
+        qq, kk, vv = (t[s:s + n].double().transpose(0, 1) for t in (q, k, v))
+        att = torch.softmax(qq @ kk.transpose(1, 2) * scale, dim=-1)
+        outs.append((att @ vv).transpose(0, 1))
+        s += n
+    return torch.cat(outs)
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def _rotary_tables(n, d, seed=1, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ang = torch.rand(n, d // 2, generator=g, dtype=torch.float64) * 20.0
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def _apply_rotary(x, cos, sin):
+    xf = x.float()
+    return (xf * cos[:, None, :] + _rotate_half(xf) * sin[:, None, :]).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ host side
+
+
+def test_block_table_layout():
+    bt = ta.build_block_table(SEQ_LENS, block_m=16, sort=False)
+    assert bt.dtype == torch.int32 and bt.device.type == "cpu" and bt.shape == (8, 3)
+    expect = [(0, 5, 0), (5, 17, 0), (5, 17, 16), (22, 64, 0), (22, 64, 16), (22, 64, 32), (22, 64, 48),
+              (86, 3, 0)]
+    assert [tuple(r) for r in bt.tolist()] == expect
+    # default: longest sequences first, block order kept within a sequence
+    bts = ta.build_block_table(SEQ_LENS, block_m=16)
+    assert [tuple(r) for r in bts.tolist()] == expect[3:7] + expect[1:3] + [expect[0], expect[7]]
+    # zero-length sequences get no block but still advance nothing
+    assert ta.build_block_table([0, 3, 0, 2], block_m=16, sort=False).tolist() == [[0, 3, 0], [3, 2, 0]]
+    assert ta.build_block_table([], block_m=16).shape == (0, 3)
+    assert ta.build_block_table([300]).shape == (-(-300 // ta.BLOCK_M), 3)
+    with pytest.raises(ValueError):
+        ta.build_block_table([4], block_m=48)
+    with pytest.raises(ValueError):
+        ta.build_block_table([-1])
+
+
+def test_head_dim_chunks():
+    assert ta.head_dim_chunks(72) == (64, 16)
+    assert ta.head_dim_chunks(64) == (64, 0)
+    assert ta.head_dim_chunks(80) == (64, 16)
+    assert ta.head_dim_chunks(96) == (64, 32)
+    assert ta.head_dim_chunks(8) == (16, 0)
+    assert ta.head_dim_chunks(256) == (256, 0)
+    assert ta.head_dim_chunks(200) == (128, 128)
+
+
+def test_triton_available_reports_reason():
+    ok, why = ta.triton_available()
+    assert isinstance(why, str) and why
+    if ta._TRITON_INTERPRETED:
+        assert ok and "interpret" in why
+    else:
+        assert ok == torch.cuda.is_available()
+
+
+def test_interpreter_subprocess():
+    """Run the test_interp_* tests in a child process started with TRITON_INTERPRET=1."""
+    if ta._TRITON_INTERPRETED:
+        pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+           "-k", "test_interp_"]
+    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=600)
+    tail = (res.stdout + res.stderr)[-6000:]
+    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+
+
+# ----------------------------------------------------------------------- interpreter (CPU) runs
+
+
+@interp
+@pytest.mark.parametrize("head_dim", [72, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_matches_reference_and_dense_bitwise(head_dim, dtype):
+    n = sum(SEQ_LENS)
+    _, q, k, v = _packed_qkv(n, H, head_dim, dtype)
+    assert q.stride() == (3 * H * head_dim, head_dim, 1)
+    scale = head_dim ** -0.5
+    bt = ta.build_block_table(SEQ_LENS, block_m=16)
+    out = torch.full((n, H, head_dim), float("nan"), dtype=dtype)
+    # block_m=16 / block_n=16: several query blocks and full + tail key blocks per sequence
+    res = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), scale, out=out, block_m=16, block_n=16)
+    assert res is out and res.is_contiguous() and res.shape == (n, H, head_dim)
+    assert not torch.isnan(res).any(), "some output elements were not written"
+    ref = _reference(q, k, v, SEQ_LENS, scale)
+    rel = ((res.double() - ref).abs().max() / ref.abs().max()).item()
+    # fp32: exact fp32 dots in the interpreter; fp16: p and output rounded to fp16
+    assert rel <= (1e-5 if dtype == torch.float32 else 3e-3), rel
+
+    # dense contiguous inputs, same values -> bit-identical output (same code path, strides only)
+    dense = ta.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), bt, max(SEQ_LENS), scale,
+                                block_m=16, block_n=16)
+    assert torch.equal(dense, res)
+
+
+@interp
+def test_interp_default_config_and_unsorted_table():
+    """Module defaults (BLOCK_M, default BLOCK_N) and a table in plain sequence order."""
+    lens = [40, 129, 7]
+    n, d = sum(lens), 72
+    _, q, k, v = _packed_qkv(n, H, d, torch.float32, seed=3)
+    out = torch.full((n, H, d), float("nan"))
+    res = ta.varlen_attention(q, k, v, ta.build_block_table(lens, sort=False), max(lens), 0.1, out=out)
+    assert not torch.isnan(res).any()
+    ref = _reference(q, k, v, lens, 0.1)
+    assert ((res.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+@interp
+def test_interp_unaligned_strides_and_odd_head_dims():
+    """Odd row strides / offsets go through an aligned copy; head dims with padded chunks."""
+    for head_dim in (72, 40, 68, 8):
+        n = sum(SEQ_LENS)
+        g = torch.Generator().manual_seed(head_dim)
+        buf = torch.randn(n, 3 * H * head_dim + 1, generator=g)  # odd row stride
+        q, k, v = buf[:, 1:].view(n, 3, H, head_dim).unbind(1)  # odd offset too
+        bt = ta.build_block_table(SEQ_LENS, block_m=16)
+        out = torch.full((n, H, head_dim), float("nan"))
+        res = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), 0.3, out=out, block_m=16, block_n=16)
+        assert res is out and not torch.isnan(res).any()
+        ref = _reference(q, k, v, SEQ_LENS, 0.3)
+        assert ((res.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5, head_dim
+
+
+@interp
+@pytest.mark.parametrize(("head_dim", "dtype", "mode"), [
+    (72, torch.float32, "q_fused"), (64, torch.float32, "q_fused"), (72, torch.float16, "q_fused"),
+    (64, torch.float16, "q_fused"), (72, torch.float32, "fused"), (64, torch.float16, "fused"),
+    (72, torch.float16, "prepass")])
+def test_interp_fused_rotary_matches_unfused(head_dim, dtype, mode):
+    n = sum(SEQ_LENS)
+    _, q, k, v = _packed_qkv(n, H, head_dim, dtype, seed=2)
+    cos, sin = _rotary_tables(n, head_dim)
+    scale = head_dim ** -0.5
+    bt = ta.build_block_table(SEQ_LENS, block_m=16)
+    out = torch.full((n, H, head_dim), float("nan"), dtype=dtype)
+    fused = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), scale, out=out, cos=cos, sin=sin,
+                                block_m=16, block_n=16, rotary_mode=mode)
+    assert not torch.isnan(fused).any()
+    qr, kr = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+    unfused = ta.varlen_attention(qr, kr, v, bt, max(SEQ_LENS), scale, block_m=16, block_n=16)
+    # the interpreter does not contract x*cos + y*sin into an FMA, so this is bitwise here;
+    # on GPU the compiler may, which can move a rotated element by 1 ulp of the input dtype
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-3)
+    ref = _reference(qr, kr, v, SEQ_LENS, scale)
+    assert ((fused.double() - ref).abs().max() / ref.abs().max()).item() <= (
+        1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_bad_inputs_raise():
+    n, d = sum(SEQ_LENS), 72
+    _, q, k, v = _packed_qkv(n, H, d, torch.float32)
+    bt = ta.build_block_table(SEQ_LENS)
+    ms = max(SEQ_LENS)
+    call = ta.varlen_attention
+    with pytest.raises(ValueError, match="3-D"):
+        call(q.reshape(n, H * d), k, v, bt, ms, 0.1)
+    with pytest.raises(ValueError, match="shape"):
+        call(q, k[:, :1], v, bt, ms, 0.1)  # mismatched heads
+    with pytest.raises(ValueError, match=r"stride\(-1\)"):
+        call(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, bt, ms, 0.1)
+    with pytest.raises(ValueError, match=r"stride\(-1\)"):
+        call(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), bt, ms, 0.1)
+    with pytest.raises(ValueError, match="block_table"):
+        call(q, k, v, bt.to("meta"), ms, 0.1)  # block table on another device than q
+    with pytest.raises(ValueError, match="block_table"):
+        call(q, k, v, bt.long(), ms, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        call(q, k.half(), v, bt, ms, 0.1)
+    with pytest.raises(ValueError, match="not supported"):
+        call(q.double(), k.double(), v.double(), bt, ms, 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        call(q, k, v, bt, ms, 0.0)
+    with pytest.raises(ValueError, match="num_stages"):
+        call(q, k, v, bt, ms, 0.1, num_stages=1)
+    with pytest.raises(ValueError, match="block_n"):
+        call(q, k, v, bt, ms, 0.1, block_n=48)
+    with pytest.raises(ValueError, match="out"):
+        call(q, k, v, bt, ms, 0.1, out=torch.empty(n, d, H).transpose(1, 2))
+    cos, sin = _rotary_tables(n, d)
+    with pytest.raises(ValueError, match="together"):
+        call(q, k, v, bt, ms, 0.1, cos=cos)
+    with pytest.raises(ValueError, match="float32"):
+        call(q, k, v, bt, ms, 0.1, cos=cos.half(), sin=sin.half())
+    with pytest.raises(ValueError, match="rotary_mode"):
+        call(q, k, v, bt, ms, 0.1, cos=cos, sin=sin, rotary_mode="both")
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        call(q, k, v, bt, ms, 0.1, cos=cos[:-1], sin=sin[:-1])
+
+
+def test_empty_table_is_noop():
+    _, q, k, v = _packed_qkv(4, H, 72, torch.float32)
+    out = torch.full((4, H, 72), 7.0)
+    res = ta.varlen_attention(q, k, v, ta.build_block_table([]), 0, 0.1, out=out)
+    assert res is out and bool((res == 7.0).all())
+
+
+# -------------------------------------------------------------------------- compiled (CUDA) runs
+
+
+@pytest.mark.parametrize("head_dim", [72, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_reference(compiled, head_dim, dtype):
+    lens = [320, 720, 1, 600, 1024, 129, 5, 77]
+    n, h = sum(lens), 16
+    _, q, k, v = _packed_qkv(n, h, head_dim, dtype, device="cuda")
+    scale = head_dim ** -0.5
+    bt = ta.build_block_table(lens).cuda()
+    out = torch.full((n, h, head_dim), float("nan"), dtype=dtype, device="cuda")
+    res = ta.varlen_attention(q, k, v, bt, max(lens), scale, out=out)
+    assert not torch.isnan(res).any()
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), lens, scale)
+    err = ((res.cpu().double() - ref).norm() / ref.norm()).item()
+    # bf16: p and the output are rounded to bf16 (~2e-3 measured on H200); fp32: exact dots
+    assert err < {torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype], err
+    dense = ta.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), bt, max(lens), scale)
+    assert torch.equal(dense, res)
+    # odd strides -> aligned-copy fallback, same values -> same result
+    buf = torch.empty(n, 3 * h * head_dim + 1, dtype=dtype, device="cuda")
+    qo, ko, vo = buf[:, :3 * h * head_dim].view(n, 3, h, head_dim).unbind(1)
+    qo.copy_(q), ko.copy_(k), vo.copy_(v)
+    assert torch.equal(ta.varlen_attention(qo, ko, vo, bt, max(lens), scale), res)
+    cos, sin = _rotary_tables(n, head_dim, device="cuda")
+    qr, kr = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+    unfused = ta.varlen_attention(qr, kr, v, bt, max(lens), scale)
+    ref_r = _reference(qr.cpu(), kr.cpu(), v.cpu(), lens, scale)
+    for mode in ("q_fused", "fused", "prepass"):
+        fused = ta.varlen_attention(q, k, v, bt, max(lens), scale, cos=cos, sin=sin, rotary_mode=mode)
+        # FMA contraction may move a rotated element by 1 ulp of the input dtype
+        assert ((fused.float() - unfused.float()).abs().max()).item() < 2e-2
+        err_r = ((fused.cpu().double() - ref_r).norm() / ref_r.norm()).item()
+        assert err_r < {torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype], err_r
+
+
+@pytest.mark.parametrize("block_m,block_n,num_warps,num_stages",
+                         [(64, 64, 4, 3), (128, 32, 4, 2), (128, 128, 8, 2), (64, 32, 4, 4)])
+def test_cuda_other_configs(compiled, block_m, block_n, num_warps, num_stages):
+    lens = [600, 1, 129, 300, 5]
+    n, h, d = sum(lens), 4, 72
+    _, q, k, v = _packed_qkv(n, h, d, torch.bfloat16, device="cuda", seed=5)
+    bt = ta.build_block_table(lens, block_m=block_m).cuda()
+    res = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, block_m=block_m, block_n=block_n,
+                              num_warps=num_warps, num_stages=num_stages)
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), lens, d ** -0.5)
+    assert ((res.cpu().double() - ref).norm() / ref.norm()).item() < 5e-3
