@@ -242,6 +242,7 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         return None if ok else f"kernel unavailable: {why}"
 
     entries = {e.backend: e for e in row.attention}
+    gc = request.graph_config
     if request.attention_backend != "auto":
         e = entries.get(request.attention_backend)
         if e is None:
@@ -263,7 +264,12 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
             raise PlanError(f"row {row.name}: no attention backend can run here ({'; '.join(notes)})")
         chosen = candidates[0]
         att_reason = f"first usable in row {row.name} preference order"
-        fallbacks = tuple(e.backend for e in candidates[1:])
+        graph_safe = [e for e in candidates if e.graph_safe]
+        if gc.use_cudagraph and not chosen.graph_safe and graph_safe:
+            # graphs explicitly requested (e.g. the MetaX opt-in): the replay needs a fixed grid
+            chosen = graph_safe[0]
+            att_reason = f"encoder graphs requested: first graph-safe backend of row {row.name}"
+        fallbacks = tuple(e.backend for e in candidates if e is not chosen)
     attention = Decision(chosen.backend, att_reason)
 
     # qkv layout
@@ -291,7 +297,6 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         grid = Decision("device", f"row {row.name} has no host metadata path")
 
     # graphs
-    gc = request.graph_config
     if gc.use_cudagraph and "encoder" not in row.graph_kinds:
         raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
     want = row.graphs_default if gc.use_cudagraph is None else gc.use_cudagraph

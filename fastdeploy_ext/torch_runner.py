@@ -18,12 +18,13 @@ from .models.paddleocr_vl.loader import load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
 from .ops.attention import ATTENTION_BACKENDS, get_backend
-from .plan import CapabilityRow, PlanRequest, RunPlan, load_table, resolve_plan
+from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, load_table, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import SyncRecorder
 
 log = logging.getLogger(__name__)
 
+RELEASED_HEAD_DIM = 72      # PaddleOCR-VL's vision head_dim; load_model re-checks the checkpoint's
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,7 +81,7 @@ class TorchRunner(DeviceRunner):
         row, row_reason = cls.select_row(probe, table)
         device = cls.torch_device(probe)
         available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
-        plan = resolve_plan(row, request, device=str(device), head_dim=72, available=available,
+        plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
                             emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason)
         return cls(plan, probe)
 
@@ -106,8 +107,7 @@ class TorchRunner(DeviceRunner):
             None if load_format == "dummy" else model_dir, dtype=self.dtype, device=self.device,
             model_format=model_format)
         vc = self.cfg.vision
-        if vc.head_dim != 72:   # the plan was resolved for the released head_dim; re-resolve if different
-            log.info("model head_dim %d", vc.head_dim)
+        self._check_head_dim(vc.head_dim)
         self.meta_builder = MetadataBuilder(
             head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
             pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device,
@@ -123,6 +123,15 @@ class TorchRunner(DeviceRunner):
         log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
                  self.dtype, self.device)
         return self.load_report
+
+    def _check_head_dim(self, head_dim: int) -> None:
+        """The plan is resolved before the model is read, for the released head_dim (72); a
+        checkpoint with another head_dim must still fit the chosen kernel."""
+        entry = {e.backend: e for e in load_table()[self.plan.row].attention}[self.plan.attention.value]
+        lo, hi = entry.head_dims
+        if not lo <= head_dim <= hi:
+            raise PlanError(f"row {self.plan.row}: attention backend {entry.backend} supports head_dim "
+                            f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
 
     def _compile_layers(self) -> None:
         from .models.paddleocr_vl.vision import compile_layer_halves

@@ -96,3 +96,14 @@ def test_oversize_batches_run_eager_unless_split():
     assert [(p.name, i) for p, i in route_batch(big, paths, True)] == [("blocks", [0, 1, 2]), ("blocks", [3, 4])]
     gc = GraphOptimizationConfig.from_json('{"encoder_split_oversize_batches": true}')
     assert gc.encoder_split_oversize_batches and gc.encoder_graph_paths[0].name == "blocks"
+
+
+def test_metax_graph_opt_in_switches_to_the_graph_safe_kernel():
+    row = load_table()["metax_c500"]
+    req = PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    p = resolve_plan(row, req, device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
+    assert p.attention.value == "triton_varlen" and "graph-safe" in p.attention.reason
+    assert p.graphs.value and p.qkv_layout.value == "dense"
+    no_triton = dict(ALL_AVAILABLE, triton_varlen=(False, "no CUDA device"))
+    with pytest.raises(PlanError, match="metax_c500"):
+        resolve_plan(row, req, device="cpu", head_dim=72, available=no_triton)

@@ -39,19 +39,22 @@ def hf_vision_reference(model, cfg, device: torch.device, dtype: torch.dtype):
             vs[h + f"layer_norm2.{p}"] = ours[o + f"layer_norm2.{p}"]
             vs[f"vision_model.post_layernorm.{p}"] = ours[f"encoder.post_layernorm.{p}"]
     ps = {k[len("projector."):]: v for k, v in ours.items() if k.startswith("projector.")}
-    vision.load_state_dict({k: v.clone() for k, v in vs.items()}, strict=False, assign=True)
-    projector.load_state_dict({k: v.clone() for k, v in ps.items()}, strict=True, assign=True)
-    # buffers that meta construction left unmaterialised
-    vision.to_empty(device=device) if any(b.is_meta for b in vision.buffers()) else None
-    vision.load_state_dict({k: v.clone() for k, v in vs.items()}, strict=False)
-    enc = vision.vision_model.encoder.rotary_pos_emb
+    # built on the meta device (no random init of 0.4B parameters), then materialised and
+    # filled; the two non-persistent buffers are recomputed as transformers does
+    vision.to_empty(device=device)
+    projector.to_empty(device=device)
+    missing, unexpected = vision.load_state_dict(vs, strict=False)
+    if unexpected or [k for k in missing if "position_ids" not in k]:
+        raise RuntimeError(f"reference weight mapping is off: missing {missing}, unexpected {unexpected}")
+    projector.load_state_dict(ps, strict=True)
+    rotary = vision.vision_model.encoder.rotary_pos_emb
     spatial = vc.head_dim // 2
-    enc.inv_freq = 1.0 / (vc.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
+    rotary.inv_freq = 1.0 / (vc.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
     emb = vision.vision_model.embeddings
     emb.position_ids = torch.arange(emb.num_positions, device=device).expand((1, -1))
-    vision = vision.to(device=device, dtype=dtype).eval()
-    enc.inv_freq = enc.inv_freq.float()
-    projector = projector.to(device=device, dtype=dtype).eval()
+    vision = vision.to(dtype=dtype).eval()
+    rotary.inv_freq = rotary.inv_freq.float()         # transformers keeps the rotary in fp32
+    projector = projector.to(dtype=dtype).eval()
 
     def run(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -5,23 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..plan import PlanError, load_table
+
 
 @pytest.fixture(scope="module")
 def batch(tiny_models, batch_for):
     return batch_for(tiny_models["torch"])
 
 
-def _row_attention(runner):
-    return runner.plan.attention.value
-
-
 def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
     dense = make_runner(tiny_models["torch"], qkv_layout="dense")
-    backend = _row_attention(dense)
-    entry = {e.backend: e for e in __import__("fastdeploy_ext.plan", fromlist=["x"]).load_table()[dense.plan.row].attention}[backend]
+    backend = dense.plan.attention.value
+    entry = {e.backend: e for e in load_table()[dense.plan.row].attention}[backend]
     if not entry.reads_strides:
         # the row forbids strided for its kernel: forcing it must be a clear error naming the row
-        from ..plan import PlanError
         with pytest.raises(PlanError, match=dense.plan.row):
             make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=backend)
         assert dense.plan.qkv_layout.value == "dense"

@@ -65,13 +65,14 @@ def test_forcing_an_unlisted_backend_names_the_row(backend_cls, row):
         backend_cls.create(PlanRequest(device=backend_cls.name, attention_backend=unlisted[0]))
 
 
-def test_forcing_graphs_where_the_row_has_none_is_an_error(backend_cls, row):
+def test_forcing_graphs_picks_a_graph_safe_kernel_or_names_the_row(backend_cls, row):
     req = PlanRequest(device=backend_cls.name, graph_config=GraphOptimizationConfig(use_cudagraph=True))
-    if "encoder" in row.graph_kinds:
-        graph_safe = [e for e in row.attention if e.graph_safe]
-        if graph_safe:
-            assert backend_cls.create(req).plan.graphs.value
-            return
+    device = backend_cls.torch_device(backend_cls.probe())
+    usable_safe = [e for e in row.attention if e.graph_safe and ATTENTION_BACKENDS[e.backend].available(device)[0]]
+    if "encoder" in row.graph_kinds and usable_safe:
+        plan = backend_cls.create(req).plan
+        assert plan.graphs.value and plan.attention.value == usable_safe[0].backend
+        return
     with pytest.raises(PlanError, match=row.name):
         backend_cls.create(req)
 
