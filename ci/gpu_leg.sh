@@ -3,8 +3,9 @@
 # 16 AMX cores, no internet). Installs what it lacks from carried wheels (.whl: transformers 5.24
 # for the reference), then runs probes/plans, the conformance suite for cuda, metax (EMULATED on
 # the GPU) and cpu_amx (host CPU with AMX), the attention micro-benchmark and `bench vision`.
-# Everything lands under $OUT (at most 8 files come back).
-#   usage: ci/gpu_leg.sh [all|conformance|bench|attn]...
+# Everything lands under $OUT: info, conformance_<backend> x3, bench_vision.{txt,json}, profile,
+# attn_bench (8 files, the most that come back).
+#   usage: ci/gpu_leg.sh [all|conformance|bench|profile|attn]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -17,13 +18,13 @@ fi
 # install there would need network for setuptools' build isolation. Its entry points (backends,
 # pytest plugin) come from the wheel's metadata; the code imported is the tree's (cwd first).
 FDX="python3 -m fastdeploy_ext.entrypoints.cli"
-python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/env.txt" 2>&1
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/info.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/info.txt" 2>&1
 steps=${*:-all}
 want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 rc=0
 if want conformance; then
-  { for d in cuda cpu_amx; do echo "### $FDX info --device $d"; $FDX info --device $d; done; } > "$OUT/info.txt" 2>&1 || rc=1
+  { for d in cuda cpu_amx; do echo "### $FDX info --device $d"; $FDX info --device $d; done; } >> "$OUT/info.txt" 2>&1 || rc=1
   for b in ${FDX_BACKENDS:-cuda metax cpu_amx}; do
     echo "### conformance $b ($(date -u +%FT%TZ))"
     timeout ${CONF_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rA --pyargs fastdeploy_ext.conformance \
@@ -35,8 +36,14 @@ if want bench; then
   timeout ${BENCH_TIMEOUT:-220} $FDX bench vision --device cuda --json-out "$OUT/bench_vision.json" ${BENCH_ARGS:-} > "$OUT/bench_vision.txt" 2>&1 || rc=1
   tail -12 "$OUT/bench_vision.txt"
 fi
+if want profile; then   # per-kernel device time of the default plan and the graphed plan
+  timeout ${PROFILE_TIMEOUT:-150} $FDX bench vision --device cuda --no-reference --iters 3 --warmup 1 --profile 25 \
+    --variants strided/host/eager,strided/host/graph > "$OUT/profile.txt" 2>&1 || rc=1
+  grep -E "^\s+(page|blocks16|block8x40|small64)" "$OUT/profile.txt" | tail -8
+fi
 if want attn; then
-  timeout 90 python3 -m fastdeploy_ext.bench.attention --quick > "$OUT/attn_bench.txt" 2>&1 || rc=1
+  # OUT unset for this one: its JSON would exceed the 8 files that come back
+  OUT= timeout 90 python3 -m fastdeploy_ext.bench.attention --quick > "$OUT/attn_bench.txt" 2>&1 || rc=1
   tail -40 "$OUT/attn_bench.txt"
 fi
 exit $rc

@@ -43,8 +43,9 @@ VARIANTS = (
     Variant("strided/device/eager", "strided", "device", False),
     Variant("strided/host/eager", "strided", "host", False),
     Variant("strided/host/eager+compile", "strided", "host", False, "on"),
+    Variant("strided/host/graph", "strided", "host", True),
     Variant("strided/host/graph+compile", "strided", "host", True, "on"),
-    Variant("cudnn:strided/host/eager+compile", "strided", "host", False, "on", "sdpa_cudnn"),
+    Variant("cudnn:strided/host/eager", "strided", "host", False, "off", "sdpa_cudnn"),
 )
 
 
@@ -148,9 +149,13 @@ def run_vision_bench(args) -> int:
                    "emulated": runner.plan.emulated}
             if runner.graphs is not None:
                 row["graph_stats"] = {"hits": runner.graphs.stats.hits, "fallbacks": runner.graphs.stats.fallbacks}
+            if args.profile:
+                row["profile"] = profile_kernels(lambda: runner.encode_uploaded(pixels, grids), device, args.profile)
             results.append(row)
-            print(f"  {w:<10} {ms:9.2f} ms  x{row['speedup_vs_ref'] or float('nan'):5.2f} vs ref  "
-                  f"peak {peak if peak is not None else float('nan'):6.2f} GiB  cos {cos if cos is not None else float('nan'):.5f}")
+            sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
+            pk = f"peak {peak:6.2f} GiB" if peak is not None else ""
+            cs = f"cos {cos:.5f}" if cos is not None else ""
+            print(f"  {w:<10} {ms:9.2f} ms  {sp}  {pk}  {cs}")
         del runner
         gc.collect()
 
@@ -159,6 +164,30 @@ def run_vision_bench(args) -> int:
         with open(args.json_out, "w") as f:
             json.dump({"device": str(probe.summary()), "results": results}, f, indent=1)
     return 0
+
+
+def profile_kernels(fn, device: torch.device, top: int) -> list[dict]:
+    """Per-kernel device time of one call of fn (torch.profiler), the `top` most expensive,
+    printed and returned: the breakdown behind a gap."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    rows = [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1000, "share": getattr(e, key) / total}
+            for e in events[:top]]
+    print(f"    profile ({'device' if device.type == 'cuda' else 'cpu self'} time, top {top}):")
+    for r in rows:
+        print(f"      {r['ms']:8.3f} ms {r['share'] * 100:5.1f}% x{r['calls']:<5} {r['name']}")
+    return rows
 
 
 def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> list[dict]:

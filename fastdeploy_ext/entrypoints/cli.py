@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--warmup", type=int, default=3)
     bv.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     bv.add_argument("--json-out", default=None, help="write results as JSON here")
+    bv.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="also profile one call per workload and print the TOP most expensive kernels")
     bv.set_defaults(func=cmd_bench)
     return p
 
