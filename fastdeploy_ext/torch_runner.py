@@ -83,10 +83,11 @@ class TorchRunner(DeviceRunner):
         available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
         plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
                             emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason)
-        return cls(plan, probe)
+        return cls(plan, probe, row)
 
-    def __init__(self, plan: RunPlan, probe):
+    def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):
         super().__init__(plan, probe)
+        self.row = row or load_table()[plan.row]
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
         self.model = None
@@ -127,7 +128,7 @@ class TorchRunner(DeviceRunner):
     def _check_head_dim(self, head_dim: int) -> None:
         """The plan is resolved before the model is read, for the released head_dim (72); a
         checkpoint with another head_dim must still fit the chosen kernel."""
-        entry = {e.backend: e for e in load_table()[self.plan.row].attention}[self.plan.attention.value]
+        entry = {e.backend: e for e in self.row.attention}[self.plan.attention.value]
         lo, hi = entry.head_dims
         if not lo <= head_dim <= hi:
             raise PlanError(f"row {self.plan.row}: attention backend {entry.backend} supports head_dim "

@@ -1,6 +1,7 @@
 """encode numerics vs the transformers reference on tiny checkpoints in both weight layouts.
 
-fp32: max abs error <= 1e-4. bf16: cosine similarity >= 0.999 per image (max abs error reported).
+fp32: max abs error <= 1e-4. bf16: cosine similarity >= 0.999 per image (max abs error reported,
+also as junit properties).
 The reference is transformers' `model.model.get_image_features(...).pooler_output` in fp32 on the
 CPU, fed the same pixel values."""
 from __future__ import annotations
@@ -26,39 +27,29 @@ def _dtypes(backend_cls):
     return row.dtypes
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp32_matches_transformers(layout, tiny_models, references, make_runner, backend_cls, record_property):
-    if "float32" not in _dtypes(backend_cls):
-        pytest.fail(f"row of {backend_cls.name} lists no float32: the fp32 parity check cannot run")
+def test_encode_matches_transformers(layout, dtype, tiny_models, references, make_runner, backend_cls,
+                                     record_property):
+    if dtype not in _dtypes(backend_cls):
+        pytest.fail(f"the row of {backend_cls.name} lists no {dtype}: the parity check cannot run")
     batch, ref = references
-    runner = make_runner(tiny_models[layout], dtype="float32")
+    runner = make_runner(tiny_models[layout], dtype=dtype)
     assert runner.load_report.layout == layout
     ours = runner.encode_images(batch)
     assert len(ours) == len(ref)
-    errs = []
+    cos, err = [], []
     for i, (o, r) in enumerate(zip(ours, ref)):
         t, h, w = batch.grid_thw[i]
-        assert o.dtype == torch.float32 and tuple(o.shape) == (t * h * w // 4, r.shape[-1])
-        errs.append(float((o.float().cpu() - r).abs().max()))
-    record_property("fp32_max_abs_err", max(errs))
-    print(f"[{runner.plan.row}{' EMULATED' if runner.plan.emulated else ''}] fp32 {layout}: max abs err per image {errs}")
-    assert max(errs) <= 1e-4, errs
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_cosine_vs_transformers(layout, tiny_models, references, make_runner, backend_cls, record_property):
-    if "bfloat16" not in _dtypes(backend_cls):
-        pytest.fail(f"row of {backend_cls.name} lists no bfloat16")
-    batch, ref = references
-    runner = make_runner(tiny_models[layout], dtype="bfloat16")
-    ours = runner.encode_images(batch)
-    cos, err = [], []
-    for o, r in zip(ours, ref):
-        assert o.dtype == torch.bfloat16
+        assert o.dtype == getattr(torch, dtype) and tuple(o.shape) == (t * h * w // 4, r.shape[-1])
         o = o.float().cpu()
         cos.append(float(F.cosine_similarity(o.flatten(), r.flatten(), dim=0)))
         err.append(float((o - r).abs().max()))
-    record_property("bf16_min_cosine", min(cos))
-    record_property("bf16_max_abs_err", max(err))
-    print(f"[{runner.plan.row}{' EMULATED' if runner.plan.emulated else ''}] bf16 {layout}: cosine {cos}, max abs err {err}")
-    assert min(cos) >= 0.999, cos
+    record_property(f"{dtype}_max_abs_err", max(err))
+    record_property(f"{dtype}_min_cosine", min(cos))
+    tag = f"[{runner.plan.row}{' EMULATED' if runner.plan.emulated else ''}]"
+    print(f"{tag} {dtype} {layout}: max abs err per image {err}, cosine {cos}")
+    if dtype == "float32":
+        assert max(err) <= 1e-4, err
+    else:
+        assert min(cos) >= 0.999, cos
