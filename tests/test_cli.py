@@ -114,3 +114,11 @@ def test_encode_dummy_weights_builtin_config(tmp_path):
     t, h, w = got["grid_thw"][0].tolist()
     assert got["image_0"].shape == (h * w // 4, 1024)   # code default min_pixels upsizes to 384x384-ish
     assert torch.isfinite(got["image_0"]).all()
+
+
+def test_auto_device_picks_the_best_present_one():
+    r = cli("info")
+    if torch.cuda.is_available():
+        pytest.fail("this test expects a machine without CUDA")
+    assert "plan: runner=cpu_amx" in r.stdout
+    assert "device cpu_amx chosen (auto" in r.stderr and "cuda:" in r.stderr   # skipped devices named
