@@ -13,9 +13,10 @@ from fastdeploy_ext.conformance.tiny_model import reference_image_features
 from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
 
 
-def cli(*args, check=True):
+def cli(*args, check=True, env=None):
+    import os
     r = subprocess.run([sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     if check and r.returncode != 0:
         raise AssertionError(f"rc={r.returncode}\nstdout:{r.stdout}\nstderr:{r.stderr}")
     return r
@@ -122,3 +123,10 @@ def test_auto_device_picks_the_best_present_one():
         pytest.fail("this test expects a machine without CUDA")
     assert "plan: runner=cpu_amx" in r.stdout
     assert "device cpu_amx chosen (auto" in r.stderr and "cuda:" in r.stderr   # skipped devices named
+
+
+def test_image_above_the_pixel_cap_is_refused_before_decoding(tiny_dirs, png_files, tmp_path):
+    r = cli("encode", "--model", tiny_dirs["torch"], "--image", png_files[0], "--device", "cpu",
+            "--output", tmp_path / "x.safetensors", check=False, env={"FD_MAX_IMAGE_PIXELS": "1000"})
+    assert r.returncode == 2 and png_files[0].name in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
