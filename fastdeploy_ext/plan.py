@@ -6,7 +6,7 @@ is listed but missing at run time falls back to the next one with the reason rec
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -207,9 +207,6 @@ class RunPlan:
         d = asdict(self)
         d["graphs"]["value"] = [asdict(p) for p in self.graphs.value]
         return d
-
-    def with_changes(self, **kw) -> "RunPlan":
-        return replace(self, **kw)
 
 
 # --------------------------------------------------------------------------- resolve

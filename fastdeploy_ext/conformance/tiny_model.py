@@ -7,7 +7,6 @@ Tiny but faithful where kernels care: vision head_dim is 72 like the released mo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -83,8 +82,3 @@ def reference_image_features(model_dir: str | Path, pixel_values: torch.Tensor, 
         out = model.model.get_image_features(
             pixel_values.to(device, dtype), torch.tensor(grid_thw, dtype=torch.int64, device=device))
     return [t.float().cpu() for t in out.pooler_output]
-
-
-def copy_model(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst

@@ -103,6 +103,7 @@ def cmd_info(args) -> int:
     backends = available_backends()
     print("fastdeploy_ext info")
     print("backends:", ", ".join(sorted(backends)))
+    print("environment:", ", ".join(f"{v.name}={v.get()}" for v in envs.ALL))
     print("probes:")
     for name, cls in sorted(backends.items()):
         print(f"  {name:<8} {cls.probe().summary()}")
