@@ -22,8 +22,16 @@ class EnvVar:
 
 
 FD_LOG_LEVEL = EnvVar("FD_LOG_LEVEL", "INFO", "logging level (DEBUG, INFO, WARNING)")
-FD_MAX_IMAGE_PIXELS = EnvVar("FD_MAX_IMAGE_PIXELS", "64000000",
-                             "images with more pixels are refused before decoding (decompression bombs)", int)
+def _positive_int(raw: str) -> int:
+    value = int(raw.strip().replace("_", ""))
+    if value <= 0:
+        raise ValueError(raw)
+    return value
+
+
+FD_MAX_IMAGE_PIXELS = EnvVar("FD_MAX_IMAGE_PIXELS", str(64 * 1024 * 1024),
+                             "a positive pixel count: images with more width*height pixels are refused "
+                             "before decoding (decompression bombs)", _positive_int)
 FD_POS_EMBED_CACHE_SIZE = EnvVar("FD_POS_EMBED_CACHE_SIZE", "64",
                                  "entries of the per-(h, w) position-embedding/rotary LFU cache", int)
 

@@ -10,12 +10,13 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from ..plan import GraphOptimizationConfig, PlanError, PlanRequest
+from ..plan import PlanError
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +137,12 @@ def run_vision_bench(args) -> int:
             results += ref
         for w in workloads:
             grids = WORKLOADS[w]
-            pixels = runner.upload_pixels(inputs_cpu[w])
-            runner.encode_uploaded(pixels, grids)
+            encode = partial(runner.encode_uploaded, runner.upload_pixels(inputs_cpu[w]), grids)
+            encode()
             _reset_peak(device)
-            ms = timer(lambda: runner.encode_uploaded(pixels, grids))
+            ms = timer(encode)
             peak = _peak_gib(device)
-            out = torch.cat(runner.encode_uploaded(pixels, grids))
+            out = torch.cat(encode())
             cos = _cosine(out, reference_out[w]) if w in reference_out else None
             row = {"workload": w, "variant": v.name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
                    "speedup_vs_ref": (ref_ms[w] / ms) if w in ref_ms else None,
@@ -150,7 +151,7 @@ def run_vision_bench(args) -> int:
             if runner.graphs is not None:
                 row["graph_stats"] = {"hits": runner.graphs.stats.hits, "fallbacks": runner.graphs.stats.fallbacks}
             if args.profile:
-                row["profile"] = profile_kernels(lambda: runner.encode_uploaded(pixels, grids), device, args.profile)
+                row["profile"] = profile_kernels(encode, device, args.profile)
             results.append(row)
             sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
             pk = f"peak {peak:6.2f} GiB" if peak is not None else ""
@@ -196,12 +197,12 @@ def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> l
     rows = []
     print("== transformers reference (PaddleOCRVisionModel sdpa + PaddleOCRProjector)")
     for w in workloads:
-        grid = torch.tensor(WORKLOADS[w], dtype=torch.int64, device=runner.device)
-        px = inputs_cpu[w].to(runner.device, runner.dtype)
+        call = partial(ref, inputs_cpu[w].to(runner.device, runner.dtype),
+                       torch.tensor(WORKLOADS[w], dtype=torch.int64, device=runner.device))
         _reset_peak(runner.device)
-        ms = timer(lambda: ref(px, grid))
+        ms = timer(call)
         peak = _peak_gib(runner.device)
-        reference_out[w] = ref(px, grid).float()
+        reference_out[w] = call().float()
         ref_ms[w] = ms
         rows.append({"workload": w, "variant": "transformers", "ms": ms, "peak_gib": peak, "speedup_vs_ref": 1.0})
         print(f"  {w:<10} {ms:9.2f} ms  peak {peak if peak is not None else float('nan'):6.2f} GiB")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
 
 def pytest_addoption(parser):
     g = parser.getgroup("fastdeploy_ext conformance")

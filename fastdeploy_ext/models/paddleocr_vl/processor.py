@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from ... import envs
+
 logger = logging.getLogger(__name__)
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -47,8 +49,8 @@ DEFAULT_MIN_PIXELS = 384 * 384
 DEFAULT_MAX_PIXELS = 1536 * 1536
 #: Default decode cap: 64 Mi pixels (e.g. 8192 x 8192). Override with FD_MAX_IMAGE_PIXELS or
 #: PreprocessorConfig(max_image_pixels=...).
-DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-MAX_IMAGE_PIXELS_ENV = "FD_MAX_IMAGE_PIXELS"
+DEFAULT_MAX_IMAGE_PIXELS = int(envs.FD_MAX_IMAGE_PIXELS.default)
+MAX_IMAGE_PIXELS_ENV = envs.FD_MAX_IMAGE_PIXELS.name
 MAX_ASPECT_RATIO = 200
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 
@@ -77,21 +79,6 @@ class ImageInputError(ValueError):
 # --------------------------------------------------------------------------------------------
 # config
 # --------------------------------------------------------------------------------------------
-
-def _max_image_pixels_from_env() -> int:
-    raw = os.environ.get(MAX_IMAGE_PIXELS_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_MAX_IMAGE_PIXELS
-    try:
-        value = int(raw.strip().replace("_", ""))
-    except ValueError:
-        raise ValueError(
-            f"{MAX_IMAGE_PIXELS_ENV}={raw!r} is not an integer; set it to the largest width*height "
-            f"to decode (default {DEFAULT_MAX_IMAGE_PIXELS})") from None
-    if value <= 0:
-        raise ValueError(f"{MAX_IMAGE_PIXELS_ENV}={raw!r} must be a positive pixel count")
-    return value
-
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
@@ -128,7 +115,7 @@ class PreprocessorConfig:
     do_convert_rgb: bool = True
     resample: int = int(Image.Resampling.BICUBIC)
     #: decode cap on width*height read from the header; default from FD_MAX_IMAGE_PIXELS.
-    max_image_pixels: int = field(default_factory=_max_image_pixels_from_env)
+    max_image_pixels: int = field(default_factory=envs.FD_MAX_IMAGE_PIXELS.get)
     #: where the values came from: a preprocessor_config.json path, "dict" or "defaults".
     source: str = field(default="defaults", compare=False)
 
