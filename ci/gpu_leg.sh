@@ -5,7 +5,9 @@
 # the GPU) and cpu_amx (host CPU with AMX), the attention micro-benchmark and `bench vision`.
 # Everything lands under $OUT: info, conformance_<backend> x3, bench_vision.{txt,json}, profile,
 # attn_bench (8 files, the most that come back).
-#   usage: ci/gpu_leg.sh [all|conformance|bench|profile|attn]...
+# Extra steps (not in "all"): layers (non-attention op micro-benchmark), sweep (attention kernel
+# config sweep), tests (the repo's CUDA unit tests).
+#   usage: ci/gpu_leg.sh [all|conformance|bench|profile|attn|layers|sweep|tests]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -38,12 +40,26 @@ if want bench; then
 fi
 if want profile; then   # per-kernel device time of the default plan and the graphed plan
   timeout ${PROFILE_TIMEOUT:-150} $FDX bench vision --device cuda --no-reference --iters 3 --warmup 1 --profile 25 \
-    --variants strided/host/eager,strided/host/graph > "$OUT/profile.txt" 2>&1 || rc=1
+    --variants ${PROFILE_VARIANTS:-strided/host/fused,strided/host/graph+fused} > "$OUT/profile.txt" 2>&1 || rc=1
   grep -E "^\s+(page|blocks16|block8x40|small64)" "$OUT/profile.txt" | tail -8
 fi
 if want attn; then
   # OUT unset for this one: its JSON would exceed the 8 files that come back
   OUT= timeout 90 python3 -m fastdeploy_ext.bench.attention --quick > "$OUT/attn_bench.txt" 2>&1 || rc=1
   tail -40 "$OUT/attn_bench.txt"
+fi
+if [[ " $steps " == *" tests "* ]]; then
+  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_fused_layers.py tests/test_triton_attention.py \
+    > "$OUT/cuda_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/cuda_tests.txt"
+fi
+if [[ " $steps " == *" layers "* ]]; then
+  timeout ${LAYERS_TIMEOUT:-90} python3 -m fastdeploy_ext.bench.layer_ops > "$OUT/layer_ops.txt" 2>&1 || rc=1
+  tail -30 "$OUT/layer_ops.txt"
+fi
+if [[ " $steps " == *" sweep "* ]]; then
+  OUT= timeout ${SWEEP_TIMEOUT:-120} python3 -m fastdeploy_ext.bench.attention --quick --no-flex --sweep \
+    > "$OUT/attn_sweep.txt" 2>&1 || rc=1
+  grep "# best" "$OUT/attn_sweep.txt"
 fi
 exit $rc

@@ -47,6 +47,8 @@ class CapabilityRow:
     graphs_default: bool
     compile_supported: bool
     compile_default: bool
+    fused_supported: bool = False
+    fused_default: bool = False
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
@@ -55,7 +57,9 @@ class CapabilityRow:
                     for a in d["attention"])
         return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], att,
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
-                   bool(d["compile_layers"]["supported"]), bool(d["compile_layers"]["default"]))
+                   bool(d["compile_layers"]["supported"]), bool(d["compile_layers"]["default"]),
+                   bool(d.get("fused_layers", {}).get("supported", False)),
+                   bool(d.get("fused_layers", {}).get("default", False)))
 
 
 @lru_cache(maxsize=None)
@@ -146,12 +150,14 @@ class PlanRequest:
     qkv_layout: str = "auto"
     grid_thw: str = "auto"
     compile_layers: str = "auto"
+    fused_layers: str = "auto"
     graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
 
     def validate(self) -> None:
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),
                                      ("grid_thw", self.grid_thw, GRID_SOURCES),
-                                     ("compile_layers", self.compile_layers, SWITCHES)):
+                                     ("compile_layers", self.compile_layers, SWITCHES),
+                                     ("fused_layers", self.fused_layers, SWITCHES)):
             if value not in allowed:
                 raise PlanError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
 
@@ -175,6 +181,7 @@ class RunPlan:
     grid_thw: Decision
     graphs: Decision             # value: tuple of EncoderGraphPath, () when off
     compile_layers: Decision
+    fused_layers: Decision = Decision(False, "not requested")
     notes: tuple[str, ...] = ()
     graph_split_oversize: bool = False
 
@@ -188,7 +195,8 @@ class RunPlan:
 
     def decisions(self) -> dict[str, Decision]:
         return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
-                "grid_thw": self.grid_thw, "graphs": self.graphs, "compile_layers": self.compile_layers}
+                "grid_thw": self.grid_thw, "graphs": self.graphs, "compile_layers": self.compile_layers,
+                "fused_layers": self.fused_layers}
 
     def describe(self) -> str:
         tag = " [EMULATED]" if self.emulated else ""
@@ -321,7 +329,30 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     else:
         comp = Decision(request.compile_layers == "on", "requested")
 
+    # fused residual/bias/LayerNorm + rotary passes (Triton) and the GEMM's GELU epilogue
+    if request.fused_layers == "on" and not row.fused_supported:
+        raise PlanError(f"row {row.name} does not support fused layers (they need Triton on CUDA)")
+    if request.fused_layers == "on" and comp.value:
+        raise PlanError("--fused-layers on and --compile-layers on are exclusive: both replace the same "
+                        "non-attention ops of each layer")
+    triton_ok = available.get("triton_varlen", (False, "triton_varlen not listed"))
+    if request.fused_layers == "off":
+        fused = Decision(False, "requested")
+    elif request.fused_layers == "on":
+        if not triton_ok[0]:
+            raise PlanError(f"row {row.name}: fused layers need Triton: {triton_ok[1]}")
+        fused = Decision(True, "requested")
+    elif comp.value:
+        fused = Decision(False, "compiled layers replace the same ops")
+    elif not row.fused_default:
+        fused = Decision(False, f"off by default on row {row.name}")
+    elif not triton_ok[0]:
+        fused = Decision(False, f"Triton unusable here: {triton_ok[1]}")
+        notes.append(f"fused layers skipped: {triton_ok[1]}")
+    else:
+        fused = Decision(True, f"default of row {row.name}")
+
     return RunPlan(runner=row.runner, row=row.name, device=device, emulated=emulated, dtype=dtype,
                    attention=attention, attention_fallbacks=fallbacks, qkv_layout=qkv, grid_thw=grid,
-                   graphs=graphs, compile_layers=comp, notes=tuple(notes),
+                   graphs=graphs, compile_layers=comp, fused_layers=fused, notes=tuple(notes),
                    graph_split_oversize=gc.encoder_split_oversize_batches)

@@ -94,7 +94,7 @@ class TorchRunner(DeviceRunner):
         self.cfg = None
         self.load_report = None
         self.meta_builder: MetadataBuilder | None = None
-        self.execution = VisionExecution(get_backend(plan.attention.value), plan.strided_qkv)
+        self.execution = VisionExecution(get_backend(plan.attention.value), plan.strided_qkv, bool(plan.fused_layers.value))
         self.graphs = None
 
     # ------------------------------------------------------------ model

@@ -37,15 +37,25 @@ class Variant:
     graphs: bool
     compile_layers: str = "off"
     attention_backend: str = "auto"
+    fused_layers: str = "off"
 
 
+# "eager" = ATen ops around the GEMMs; "fused" = the Triton residual+LayerNorm/rotary passes and
+# the GELU GEMM epilogue; ":rotary-pass" = plain varlen kernel after the one-launch q/k rotary
+# (instead of the rotary inside the attention launch).
 VARIANTS = (
     Variant("dense/device/eager", "dense", "device", False),
     Variant("strided/device/eager", "strided", "device", False),
     Variant("strided/host/eager", "strided", "host", False),
     Variant("strided/host/eager+compile", "strided", "host", False, "on"),
+    Variant("dense/host/fused", "dense", "host", False, fused_layers="on"),
+    Variant("strided/host/fused", "strided", "host", False, fused_layers="on"),
+    Variant("strided/host/fused:rotary-pass", "strided", "host", False, attention_backend="triton_varlen",
+            fused_layers="on"),
     Variant("strided/host/graph", "strided", "host", True),
-    Variant("strided/host/graph+compile", "strided", "host", True, "on"),
+    Variant("strided/host/graph+fused", "strided", "host", True, fused_layers="on"),
+    Variant("strided/host/graph+fused:rotary-pass", "strided", "host", True, attention_backend="triton_varlen",
+            fused_layers="on"),
     Variant("cudnn:strided/host/eager", "strided", "host", False, "off", "sdpa_cudnn"),
 )
 
@@ -117,6 +127,7 @@ def run_vision_bench(args) -> int:
 
     for v in variants:
         req = replace(base, qkv_layout=v.qkv_layout, grid_thw=v.grid_thw, compile_layers=v.compile_layers,
+                      fused_layers=v.fused_layers if base.fused_layers == "auto" else base.fused_layers,
                       attention_backend=v.attention_backend if base.attention_backend == "auto" else base.attention_backend,
                       graph_config=replace(base.graph_config, use_cudagraph=v.graphs))
         try:
@@ -130,6 +141,7 @@ def run_vision_bench(args) -> int:
         report = runner.capture_graphs()
         print(f"\n== {v.name}: attention={runner.plan.attention.value} qkv={runner.plan.qkv_layout.value} "
               f"grid={runner.plan.grid_thw.value} compile={runner.plan.compile_layers.value} "
+              f"fused={runner.plan.fused_layers.value} "
               f"graphs={report.captured} ({report.capture_seconds:.1f}s, {report.graph_memory_bytes / 2**20:.0f} MiB)"
               f"{' [EMULATED]' if runner.plan.emulated else ''}")
         if not args.no_reference and not ref_ms:

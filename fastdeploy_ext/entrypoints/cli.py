@@ -40,6 +40,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="where batch metadata is derived: host ints (no syncs) or device tensors (reference)")
     g.add_argument("--compile-layers", default="auto", choices=SWITCHES,
                    help="torch.compile the non-attention halves of each encoder layer")
+    g.add_argument("--fused-layers", default="auto", choices=SWITCHES,
+                   help="Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM (CUDA)")
     g.add_argument("--graph-optimization-config", default=None,
                    help='JSON, e.g. \'{"use_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
                         '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'')
@@ -60,7 +62,7 @@ def request_from_args(args, device: str | None = None) -> PlanRequest:
         raise CliError(str(e)) from None
     return PlanRequest(device=device or args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                        qkv_layout=args.qkv_layout, grid_thw=args.grid_thw, compile_layers=args.compile_layers,
-                       graph_config=gc)
+                       fused_layers=args.fused_layers, graph_config=gc)
 
 
 def check_model_args(args) -> None:

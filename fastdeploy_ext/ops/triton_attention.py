@@ -484,6 +484,18 @@ def _interpreter_numpy_compat() -> None:
     _interp._patch_lang_tensor = patched
 
 
+def jit_decorator():
+    """The triton decorator matching the mode triton was imported in (JIT compiled, or the
+    interpreter under TRITON_INTERPRET=1); every Triton module of ours decorates through it."""
+    if _TRITON_INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreter_numpy_compat()
+        return InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    return JITFunction
+
+
 _KERNEL = None
 _ROTARY_KERNEL = None
 
@@ -496,12 +508,7 @@ def _get_kernel():
     """
     global _KERNEL, _ROTARY_KERNEL, _chunk_cols, _load_tile, _attn_step
     if _KERNEL is None:
-        if _TRITON_INTERPRETED:
-            from triton.runtime.interpreter import InterpretedFunction as deco
-
-            _interpreter_numpy_compat()
-        else:
-            from triton.runtime.jit import JITFunction as deco
+        deco = jit_decorator()
         _chunk_cols = deco(_chunk_cols)
         _load_tile = deco(_load_tile)
         _attn_step = deco(_attn_step)

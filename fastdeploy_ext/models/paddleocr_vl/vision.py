@@ -17,6 +17,7 @@ from torch import nn
 
 from ...ops.attention import AttentionBackend
 from ...ops.rotary import rotary_in_place, rotary_out_of_place
+from ...ops.triton_fused import add_layer_norm, kernels_usable, rotary_qk_in_place
 from .config import VisionConfig
 from .metadata import VisionMetadata
 from .projector import Projector
@@ -27,6 +28,7 @@ class VisionExecution:
     """The parts of the plan the encoder needs at run time."""
     attention: AttentionBackend
     strided_qkv: bool          # hand the kernel views of the qkv buffer (no dense copies)
+    fused_layers: bool = False  # Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM
 
 
 def _qkv_half(x, ln_w, ln_b, eps: float, w, b):
@@ -101,18 +103,48 @@ class EncoderLayer(nn.Module):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             out = backend.fn(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
         else:
-            if ex.strided_qkv:
-                rotary_in_place(q, meta.cos, meta.sin)
-                rotary_in_place(k, meta.cos, meta.sin)
-            else:
-                q = rotary_out_of_place(q, meta.cos, meta.sin)
-                k = rotary_out_of_place(k, meta.cos, meta.sin)
-                v = v.contiguous()
+            q, k, v = self._rotated(qkv, q, k, v, meta, ex.strided_qkv, ex.fused_layers and kernels_usable(qkv))
             out = backend.fn(q, k, v, meta, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
 
+    def _rotated(self, qkv, q, k, v, meta: VisionMetadata, strided: bool, triton: bool):
+        """q and k with the 2D rotary applied: in place in the qkv buffer (strided) or on dense
+        copies. Both layouts use the same arithmetic (the Triton kernel with fused layers, ATen
+        otherwise), so their outputs stay bit-identical."""
+        if triton:
+            n, hd = qkv.shape[0], self.num_heads * self.head_dim
+            if strided:   # q and k are adjacent in each row: both rotated in one launch
+                rotary_qk_in_place(qkv[:, :2 * hd].view(n, 2 * self.num_heads, self.head_dim), meta.cos, meta.sin)
+                return q, k, v
+            q, k = q.contiguous(), k.contiguous()
+            return rotary_qk_in_place(q, meta.cos, meta.sin), rotary_qk_in_place(k, meta.cos, meta.sin), v.contiguous()
+        if strided:
+            return rotary_in_place(q, meta.cos, meta.sin), rotary_in_place(k, meta.cos, meta.sin), v
+        return rotary_out_of_place(q, meta.cos, meta.sin), rotary_out_of_place(k, meta.cos, meta.sin), v.contiguous()
+
     def forward(self, x: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
         return self.attn_out_and_mlp(x, self.attention(self.qkv_proj(x), meta, ex))
+
+    def forward_fused(self, x: torch.Tensor, h: torch.Tensor, next_norm: nn.LayerNorm, meta: VisionMetadata,
+                      ex: VisionExecution) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream, h: LayerNorm1(x) (made by the previous fused pass). Updates x in
+        place and returns (x, next_norm(x)): the GEMMs run without their bias, which rides along
+        in the fused residual+LayerNorm pass; fc1's bias and GELU are the GEMM's epilogue."""
+        attn = self.attention(F.linear(h, self.qkv.weight, self.qkv.bias), meta, ex)
+        x, h = add_layer_norm(x, torch.mm(attn, self.out_proj.weight.t()), self.out_proj.bias,
+                              self.layer_norm2.weight, self.layer_norm2.bias, self.layer_norm2.eps, out=x)
+        m = linear_gelu(h, self.fc1.weight, self.fc1.bias, self.gelu_approx)
+        return add_layer_norm(x, torch.mm(m, self.fc2.weight.t()), self.fc2.bias,
+                              next_norm.weight, next_norm.bias, next_norm.eps, out=x)
+
+
+def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str) -> torch.Tensor:
+    """GELU(x @ w.T + b). On CUDA the tanh GELU is cuBLASLt's bias+GELU epilogue (one kernel, no
+    round trip of the [N, intermediate] activation); elsewhere, and for exact GELU, ATen ops
+    (torch's CPU _addmm_activation uses the erf GELU, not tanh)."""
+    if approx == "tanh" and x.is_cuda:
+        return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    return F.gelu(F.linear(x, w, b), approximate=approx)
 
 
 class VisionEncoder(nn.Module):
@@ -130,10 +162,22 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
         x = self.patch_embedding(pixel_values.reshape(pixel_values.shape[0], -1).to(self.patch_embedding.weight.dtype))
+        if ex.fused_layers:
+            return self._forward_fused(x, meta, ex)
         x = x + meta.pos_embed
         for layer in self.layers:
             x = layer(x, meta, ex)
         return self.post_layernorm(x)
+
+    def _forward_fused(self, x: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
+        """Each residual add, the bias before it and the LayerNorm after it are one pass; the
+        position embedding add is the first one."""
+        first = self.layers[0].layer_norm1
+        x, h = add_layer_norm(x, meta.pos_embed, None, first.weight, first.bias, first.eps, out=x)
+        norms = [layer.layer_norm1 for layer in self.layers[1:]] + [self.post_layernorm]
+        for layer, next_norm in zip(self.layers, norms):
+            x, h = layer.forward_fused(x, h, next_norm, meta, ex)
+        return h
 
 
 class PaddleOCRVLVision(nn.Module):

@@ -1,0 +1,155 @@
+"""The fused-layer path: Triton residual+bias+LayerNorm and one-launch q/k rotary kernels
+against their ATen references (under the Triton interpreter on CPU, compiled on CUDA), the fused
+encoder forward against the eager one, and the plan's fused_layers decision."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdeploy_ext.models.paddleocr_vl.config import VisionConfig
+from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
+from fastdeploy_ext.models.paddleocr_vl.vision import VisionEncoder, VisionExecution
+from fastdeploy_ext.ops import triton_attention as ta
+from fastdeploy_ext.ops import triton_fused as tf
+from fastdeploy_ext.ops.attention import get_backend
+from fastdeploy_ext.plan import PlanError, PlanRequest, load_table, resolve_plan
+
+_REPO = Path(__file__).resolve().parents[1]
+ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
+interp = pytest.mark.skipif(not ta._TRITON_INTERPRETED, reason="runs in test_fused_interpreter_subprocess")
+
+
+def _device():
+    return "cuda" if (torch.cuda.is_available() and not ta._TRITON_INTERPRETED) else "cpu"
+
+
+# ----------------------------------------------------------------------- kernels vs references
+def _check_add_ln(device, dtype, n=37, hidden=144, tol=0.0):
+    g = torch.Generator().manual_seed(1)
+    x, d = (torch.randn(n, hidden, generator=g).to(device, dtype) for _ in range(2))
+    b, w, lb = (torch.randn(hidden, generator=g).to(device, dtype) for _ in range(3))
+    ref_r, ref_y = tf.add_layer_norm_torch(x, d, b, w, lb, 1e-6)
+    xr = x.clone()
+    r, y = tf.add_layer_norm(xr, d, b, w, lb, 1e-6, out=xr)      # residual updated in place
+    assert r.data_ptr() == xr.data_ptr()
+    # fp32: same value; half types: the kernel sums x + d + b in fp32 before one rounding,
+    # ATen rounds after each add -> at most one unit of the last place apart
+    assert torch.allclose(r.float(), ref_r.float(), rtol=0, atol=tol * ref_r.float().abs().max().item() + 1e-6)
+    assert torch.allclose(y.float(), ref_y.float(), rtol=0, atol=max(tol, 1e-5) * 8)
+    r2, y2 = tf.add_layer_norm(x, None, None, w, lb, 1e-6)          # plain LayerNorm
+    assert r2 is x
+    assert torch.allclose(y2.float(), F.layer_norm(x, (hidden,), w, lb, 1e-6).float(), rtol=0,
+                          atol=max(tol, 1e-5) * 8)
+
+
+def _check_rotary(device, dtype, n=29, heads=3, d=72):
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(n, 3 * heads * d, generator=g).to(device, dtype)
+    cos, sin = (torch.randn(n, d, generator=g).to(device) for _ in range(2))
+    ref = qkv.clone()
+    v_before = qkv[:, 2 * heads * d:].clone()
+    tf.rotary_qk_in_place(qkv[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
+    tf.rotary_qk_in_place_torch(ref[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
+    assert torch.equal(qkv[:, 2 * heads * d:], v_before), "v must not be touched"
+    # fp32 math then one rounding on both sides; the compiled kernel may contract to FMA
+    assert torch.allclose(qkv.float(), ref.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    if device == "cpu":     # interpreter: numpy, no FMA -> the exact same bits
+        assert torch.equal(qkv, ref)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_add_layer_norm(dtype):
+    _check_add_ln("cpu", dtype, tol=0.0 if dtype == torch.float32 else 1e-3)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interp_rotary_qk(dtype):
+    _check_rotary("cpu", dtype)
+
+
+@pytest.mark.skipif(_device() != "cuda", reason="compiled Triton needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels(dtype):
+    _check_add_ln("cuda", dtype, n=1000, hidden=1152, tol=0.0 if dtype == torch.float32 else 8e-3)
+    _check_rotary("cuda", dtype, n=1000, heads=16)
+
+
+def test_fused_interpreter_subprocess():
+    """The test_interp_* tests in a child process with TRITON_INTERPRET=1 (set before import)."""
+    pytest.importorskip("triton")
+    if ta._TRITON_INTERPRETED:
+        pytest.skip("already interpreting: the test_interp_* tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "test_interp_"], cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "4 passed" in res.stdout, out[-4000:]
+
+
+def test_bad_shapes_are_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="delta must match"):
+        tf.add_layer_norm(x, torch.randn(4, 9), None, torch.ones(8), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="cos must be fp32"):
+        tf.rotary_qk_in_place(torch.randn(4, 2, 8), torch.randn(4, 8).double(), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="even head dim"):
+        tf.rotary_qk_in_place(torch.randn(4, 2, 7), torch.randn(4, 7), torch.randn(4, 7))
+
+
+# ----------------------------------------------------------------------- fused encoder == eager
+def test_fused_encoder_matches_eager():
+    """Same weights, same batch: the fused forward (biases moved into the add+LayerNorm passes,
+    position embedding as the first pass, GELU with the GEMM) equals the eager one."""
+    device = _device()
+    cfg = VisionConfig(hidden_size=144, intermediate_size=200, num_hidden_layers=3, num_attention_heads=2,
+                       image_size=84)
+    torch.manual_seed(0)
+    enc = VisionEncoder(cfg).eval()
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.normal_(0, 0.05 if p.ndim == 2 else 0.3)
+    enc = enc.to(device)
+    mb = MetadataBuilder(head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, merge=2, side=cfg.num_grid_per_side,
+                         pos_table=enc.position_embedding.detach(), compute_dtype=torch.float32,
+                         device=torch.device(device))
+    grids = [(1, 4, 6), (1, 2, 2), (1, 6, 4)]
+    meta = mb.build_host(grids)
+    px = torch.randn(meta.num_tokens, 3 * 14 * 14, device=device)
+    sdpa = get_backend("sdpa")
+    with torch.inference_mode():
+        eager = enc(px, meta, VisionExecution(sdpa, True, False))
+        fused = enc(px, meta, VisionExecution(sdpa, True, True))
+        fused_dense = enc(px, meta, VisionExecution(sdpa, False, True))
+    assert fused.shape == eager.shape == (meta.num_tokens, cfg.hidden_size)
+    assert (fused - eager).abs().max().item() < 1e-4
+    assert torch.equal(fused, fused_dense), "strided and dense must stay bit-identical with fused layers"
+
+
+# ----------------------------------------------------------------------- plan decision
+def test_fused_layers_plan_decision():
+    t = load_table()
+    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+    assert p.fused_layers.value is True and "default of row cuda_sm90" in p.fused_layers.reason
+    p = resolve_plan(t["cuda_sm90"], PlanRequest(compile_layers="on"), device="cuda:0", head_dim=72,
+                     available=ALL_AVAILABLE)
+    assert p.fused_layers.value is False and "compiled" in p.fused_layers.reason
+    with pytest.raises(PlanError, match="exclusive"):
+        resolve_plan(t["cuda_sm90"], PlanRequest(compile_layers="on", fused_layers="on"), device="cuda:0",
+                     head_dim=72, available=ALL_AVAILABLE)
+    no_triton = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"),
+                     triton_varlen_rope=(False, "triton not importable"))
+    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=no_triton)
+    assert p.fused_layers.value is False and "triton not importable" in p.fused_layers.reason
+    with pytest.raises(PlanError, match="cpu"):
+        resolve_plan(t["cpu"], PlanRequest(fused_layers="on"), device="cpu", head_dim=72, available=ALL_AVAILABLE)
+    p = resolve_plan(t["cpu"], PlanRequest(), device="cpu", head_dim=72, available={"sdpa": (True, "ok")})
+    assert p.fused_layers.value is False
