@@ -35,7 +35,8 @@ if want conformance; then
   done
 fi
 if want bench; then
-  timeout ${BENCH_TIMEOUT:-220} $FDX bench vision --device cuda --json-out "$OUT/bench_vision.json" ${BENCH_ARGS:-} > "$OUT/bench_vision.txt" 2>&1 || rc=1
+  json=(--json-out "$OUT/bench_vision.json"); [[ -n "${NO_BENCH_JSON:-}" ]] && json=()
+  timeout ${BENCH_TIMEOUT:-220} $FDX bench vision --device cuda "${json[@]}" ${BENCH_ARGS:-} > "$OUT/bench_vision.txt" 2>&1 || rc=1
   tail -12 "$OUT/bench_vision.txt"
 fi
 if want profile; then   # per-kernel device time of the default plan and the graphed plan
@@ -49,12 +50,12 @@ if want attn; then
   tail -40 "$OUT/attn_bench.txt"
 fi
 if [[ " $steps " == *" tests "* ]]; then
-  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_fused_layers.py tests/test_triton_attention.py \
+  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_fused_layers.py tests/test_triton_attention.py} \
     > "$OUT/cuda_tests.txt" 2>&1 || rc=1
   tail -3 "$OUT/cuda_tests.txt"
 fi
 if [[ " $steps " == *" layers "* ]]; then
-  timeout ${LAYERS_TIMEOUT:-90} python3 -m fastdeploy_ext.bench.layer_ops > "$OUT/layer_ops.txt" 2>&1 || rc=1
+  OUT= timeout ${LAYERS_TIMEOUT:-90} python3 -m fastdeploy_ext.bench.layer_ops ${LAYERS_ARGS:-} > "$OUT/layer_ops.txt" 2>&1 || rc=1
   tail -30 "$OUT/layer_ops.txt"
 fi
 if [[ " $steps " == *" sweep "* ]]; then

@@ -75,6 +75,31 @@ def test_interp_rotary_qk(dtype):
     _check_rotary("cpu", dtype)
 
 
+@interp
+@pytest.mark.parametrize("mode", ["prepass", "q_fused"])
+def test_interp_attention_rotary_in_place(mode):
+    """varlen_attention(rotary_in_place=True) rotates q/k of the packed buffer in place (q and k
+    in one launch for the pre-pass) and gives the same output as the copying pre-pass."""
+    lens, h, d = [5, 17, 9], 2, 72
+    n = sum(lens)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(n, 3 * h * d, generator=g)
+    cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    bt = ta.build_block_table(lens, block_m=16)
+    q, k, v = qkv.view(n, 3, h, d).unbind(1)
+    copy = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, cos=cos, sin=sin, rotary_mode=mode,
+                               block_m=16, block_n=16)
+    before = qkv.clone()
+    inplace = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, cos=cos, sin=sin, rotary_mode=mode,
+                                  block_m=16, block_n=16, rotary_in_place=True)
+    assert torch.allclose(inplace, copy, rtol=0, atol=1e-5)
+    expect = before.clone()
+    rotated = 2 * h * d if mode == "prepass" else h * d      # q_fused: only k is pre-rotated
+    start = 0 if mode == "prepass" else h * d
+    tf.rotary_qk_in_place_torch(expect[:, start:2 * h * d].view(n, rotated // d, d), cos, sin)
+    assert torch.equal(qkv, expect)
+
+
 @pytest.mark.skipif(_device() != "cuda", reason="compiled Triton needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernels(dtype):
@@ -92,7 +117,7 @@ def test_fused_interpreter_subprocess():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "test_interp_"], cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and "4 passed" in res.stdout, out[-4000:]
+    assert res.returncode == 0 and "6 passed" in res.stdout, out[-4000:]
 
 
 def test_bad_shapes_are_clear_errors():

@@ -36,6 +36,21 @@ def _time(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def _time_device(fn, reps: int = 10, iters: int = 10) -> float:
+    """Device time of one call: fn captured `reps` times in a CUDA graph and replayed, so
+    Python launch overhead (large for Triton launches) is not in the figure."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return _time(g.replay, 2, iters) / reps
+
+
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if rows > w.shape[0] else w
 
@@ -118,6 +133,7 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
         ]
         for name, ref_fn, our_fn in cases:
             t_ref, t_our = _time(ref_fn, warmup, iters), _time(our_fn, warmup, iters)
+            d_ref, d_our = _time_device(ref_fn), _time_device(our_fn)
             err = None
             if "rotary" in name:
                 qkv_a.copy_(qkv)
@@ -130,10 +146,38 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
                 o = o[:, :r.shape[1]]
                 err = (r.float() - o.float()).abs().max().item()
             rows.append({"tokens": n, "op": name, "aten_ms": t_ref, "ours_ms": t_our, "speedup": t_ref / t_our,
-                         "max_abs_err": err})
-            print(f"{n:>6} {name:<32} aten {t_ref:8.4f} ms  ours {t_our:8.4f} ms  x{t_ref / t_our:5.2f}  "
-                  f"max|err| {err:.3g}", flush=True)
+                         "aten_device_ms": d_ref, "ours_device_ms": d_our, "max_abs_err": err})
+            print(f"{n:>6} {name:<32} eager: aten {t_ref:7.4f} ours {t_our:7.4f} ms x{t_ref / t_our:5.2f} | "
+                  f"device: aten {d_ref:7.4f} ours {d_our:7.4f} ms x{d_ref / d_our:5.2f} | max|err| {err:.3g}",
+                  flush=True)
     return rows
+
+
+def tune(tokens: list[int]) -> list[dict]:
+    """Device time of the two Triton passes over their launch parameters (picks the defaults)."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    out = []
+    for n in tokens:
+        x, d = torch.randn(n, HIDDEN, device=dev, dtype=dt), torch.randn(n, HIDDEN, device=dev, dtype=dt)
+        w, b = torch.randn(HIDDEN, device=dev, dtype=dt), torch.randn(HIDDEN, device=dev, dtype=dt)
+        ref = _time_device(lambda: F.layer_norm(x + d + b, (HIDDEN,), w, b, 1e-6))
+        for rows in (1, 2, 4, 8):
+            for warps in (2, 4, 8):
+                ms = _time_device(lambda: tf.add_layer_norm(x, d, b, w, b, 1e-6, tuning=(rows, warps)))
+                out.append({"tokens": n, "kernel": "add_ln", "rows": rows, "warps": warps, "ms": ms, "aten_ms": ref})
+        qkv = torch.randn(n, 3 * HIDDEN, device=dev, dtype=dt)
+        cos, sin = torch.randn(n, HEAD_DIM, device=dev), torch.randn(n, HEAD_DIM, device=dev)
+        qk = qkv[:, :2 * HIDDEN].view(n, 2 * HEADS, HEAD_DIM)
+        for bt in (8, 16, 32, 64):
+            for grp in (1, 2, 4, 8, 32):
+                for warps in (2, 4):
+                    ms = _time_device(lambda: tf.rotary_qk_in_place(qk, cos, sin, tuning=(bt, grp, warps)))
+                    out.append({"tokens": n, "kernel": "rotary_qk", "block_t": bt, "heads": grp, "warps": warps,
+                                "ms": ms})
+        for kern in ("add_ln", "rotary_qk"):
+            best = sorted((r for r in out if r["tokens"] == n and r["kernel"] == kern), key=lambda r: r["ms"])[:3]
+            print(f"# tune {n} {kern}: " + " | ".join(json.dumps(r) for r in best), flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -142,12 +186,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--pad-to", type=int, default=128, help="pad the MLP width to a multiple of this")
+    ap.add_argument("--tune", action="store_true", help="also sweep the Triton passes' launch parameters")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("layer_ops needs a CUDA device")
         return 2
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} bf16, hidden {HIDDEN}, MLP {INTER}")
-    rows = run([int(t) for t in args.tokens.split(",")], args.iters, args.warmup, args.pad_to)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = run(tokens, args.iters, args.warmup, args.pad_to)
+    if args.tune:
+        rows += tune(tokens)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "layer_ops.json"), "w") as f:
             json.dump(rows, f, indent=1)

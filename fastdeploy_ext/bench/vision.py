@@ -169,8 +169,12 @@ def run_vision_bench(args) -> int:
             pk = f"peak {peak:6.2f} GiB" if peak is not None else ""
             cs = f"cos {cos:.5f}" if cos is not None else ""
             print(f"  {w:<10} {ms:9.2f} ms  {sp}  {pk}  {cs}")
-        del runner
+        # every reference to the runner goes (the bound `encode` too), so its weights and graph
+        # pool are freed before the next variant's peak memory is measured
+        del runner, encode
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     _print_table(results, workloads)
     if args.json_out:

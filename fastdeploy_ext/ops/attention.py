@@ -83,7 +83,9 @@ def _triton_available(device: torch.device) -> tuple[bool, str]:
 def _triton_fn(fused_rotary: bool) -> AttentionFn:
     def run(q, k, v, meta: _Meta, scale: float, cos=None, sin=None):
         from .triton_attention import varlen_attention
-        kw = dict(cos=cos, sin=sin) if fused_rotary else {}
+        # the encoder's q/k are scratch (views of its per-layer qkv buffer, or dense copies):
+        # a rotary pre-pass may overwrite them instead of allocating rotated copies
+        kw = dict(cos=cos, sin=sin, rotary_in_place=True) if fused_rotary else {}
         return varlen_attention(q, k, v, meta.extras["block_table"], meta.max_seqlen, scale, **kw)
     return run
 

@@ -539,6 +539,14 @@ def _as_aligned(x: torch.Tensor, vec: int) -> torch.Tensor:
     return view
 
 
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
+    h, d = q.shape[1], q.shape[2]
+    return (q.stride() == k.stride() and q.stride(1) == d and q.untyped_storage().data_ptr() ==
+            k.untyped_storage().data_ptr() and k.data_ptr() - q.data_ptr() == h * d * q.element_size()
+            and q.stride(0) >= 2 * h * d)
+
+
 def _check_3d(name: str, t, ref_shape=None, ref_dtype=None, ref_device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
@@ -572,6 +580,7 @@ def varlen_attention(
     num_stages: int | None = None,
     rotary_mode: str = "auto",
     maxnreg: int | None = None,
+    rotary_in_place: bool = False,
 ) -> torch.Tensor:
     """Block-diagonal (per-sequence, non-causal) attention over packed sequences, one launch.
 
@@ -590,7 +599,10 @@ def varlen_attention(
     fused 4.73 (no rotary 1.60); 64 small images: q_fused 0.29, prepass 0.33, fused 0.39.
     block_m must match the table's; block_n / num_warps / num_stages override the defaults;
     maxnreg caps registers per thread (None: automatic, 0: no cap).
-    block_m must match the table's; block_n / num_warps / num_stages override the defaults.
+    rotary_in_place: the caller allows q and k to be overwritten with their rotated values (the
+    encoder's qkv buffer is scratch): the pre-pass then rotates them in place, q and k together
+    in one launch when they are adjacent heads of one buffer (ops/triton_fused.py), instead of
+    into new buffers.
     Returns the contiguous ``[N, H, D]`` output.  Rows of tokens not covered by the block table
     are left untouched.  No host<->device synchronisation.
     """
@@ -716,10 +728,19 @@ def varlen_attention(
         )
         return y
 
-    if rotary and not rot_k:
-        k = _prepass(k)
-    if rotary and not rot_q:
-        q = _prepass(q)
+    if rotary and rotary_in_place and not rot_k:
+        from .triton_fused import rotary_qk_in_place
+        if not rot_q and _adjacent_heads(q, k):
+            rotary_qk_in_place(q.as_strided((n_tok, 2 * n_heads, head_dim), q.stride()), cos_arg, sin_arg)
+        else:
+            rotary_qk_in_place(k, cos_arg, sin_arg)
+            if not rot_q:
+                rotary_qk_in_place(q, cos_arg, sin_arg)
+    else:
+        if rotary and not rot_k:
+            k = _prepass(k)
+        if rotary and not rot_q:
+            q = _prepass(q)
     if maxnreg is None:
         # q rotation in the prologue lifts the peak to ~190 registers at 8 warps (1 CTA/SM);
         # capping at 128 keeps 2 CTAs/SM like the plain kernel (spills only in the prologue)

@@ -21,7 +21,9 @@ __all__ = ["add_layer_norm", "add_layer_norm_torch", "rotary_qk_in_place", "rota
            "kernels_usable"]
 
 _ROWS_PER_PROGRAM = 4          # rows of [N, hidden] per add+LN program (amortises the w/b loads)
-_ROTARY_TOKENS = 16            # tokens per rotary program (each loops over all q and k heads)
+_ADD_LN_WARPS = 8
+_ROTARY_TOKENS = 32            # tokens per rotary program
+_ROTARY_HEADS = 4              # heads per rotary program (cos/sin reloaded per group, from L2)
 
 if _ta.triton is not None:
     tl = _ta.tl
@@ -63,12 +65,15 @@ if _ta.triton is not None:
 
     def _rotary_qk_kernel(
         QK, COS, SIN, n_tok, stride_n, stride_h, stride_cn, stride_sn,
-        NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
+        HEADS_PER_PROGRAM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
-        """In place: x[:, h] = x*cos + rotate_half(x)*sin (fp32, cast back) for every head h of
-        a [N, NUM_HEADS, 2*HALF] strided view; cos/sin rows are loaded once per token."""
-        pid = tl.program_id(0)
-        rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        """In place: x[:, h] = x*cos + rotate_half(x)*sin (fp32, cast back) for a group of
+        heads of a [N, heads, 2*HALF] strided view. The head loop is unrolled so every load of
+        the group is in flight at once (a rolled loop left this memory-bound pass latency-bound);
+        cos/sin rows are loaded once per group."""
+        pid_t = tl.program_id(0)
+        head0 = tl.program_id(1) * HEADS_PER_PROGRAM
+        rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         j = tl.arange(0, HALF_P)
         mask = (rows < n_tok)[:, None] & (j < HALF)[None, :]
         c_rows = COS + rows[:, None] * stride_cn + j[None, :]
@@ -78,8 +83,8 @@ if _ta.triton is not None:
         s1 = tl.load(s_rows, mask=mask, other=0.0)
         s2 = tl.load(s_rows + HALF, mask=mask, other=0.0)
         base = QK + rows[:, None] * stride_n + j[None, :]
-        for h in range(NUM_HEADS):
-            p1 = base + h * stride_h
+        for h in tl.static_range(HEADS_PER_PROGRAM):
+            p1 = base + (head0 + h) * stride_h
             x1 = tl.load(p1, mask=mask, other=0.0)
             x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
             f1 = x1.to(tl.float32)
@@ -124,12 +129,14 @@ def add_layer_norm_torch(x, delta, bias, weight, ln_bias, eps: float, out: torch
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, bias: torch.Tensor | None,
                    weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None,
+                   tuning: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta + bias, LayerNorm of that) in one pass over [N, hidden].
 
     The sum is rounded to x's dtype (it is the residual stream) and written to ``out`` (pass
     ``out=x`` to update the residual in place); with neither delta nor bias it is plain
-    LayerNorm and x is returned as is.  Falls back to ATen off CUDA.
+    LayerNorm and x is returned as is.  Falls back to ATen off CUDA.  ``tuning``: (rows per
+    program, warps) for benchmarks; the defaults were picked on the H200.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [N, hidden] with a contiguous last dim, got {tuple(x.shape)} {x.stride()}")
@@ -145,11 +152,12 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, bias: torch.Tens
     if n == 0:
         return res, y
     block = _ta.triton.next_power_of_2(hidden)
-    _kernel("add_ln")[(_ta.triton.cdiv(n, _ROWS_PER_PROGRAM),)](
+    rows, warps = tuning or (_ROWS_PER_PROGRAM, _ADD_LN_WARPS)
+    _kernel("add_ln")[(_ta.triton.cdiv(n, rows),)](
         x, delta if delta is not None else x, bias if bias is not None else weight, weight, ln_bias, res, y, n,
         x.stride(0), delta.stride(0) if delta is not None else 0, res.stride(0), y.stride(0), float(eps),
-        HIDDEN=hidden, BLOCK=block, ROWS=_ROWS_PER_PROGRAM, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
-        num_warps=8 if block >= 2048 else 4,
+        HIDDEN=hidden, BLOCK=block, ROWS=rows, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
+        num_warps=warps,
     )
     return res, y
 
@@ -162,12 +170,14 @@ def rotary_qk_in_place_torch(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return qk
 
 
-def rotary_qk_in_place(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_qk_in_place(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       tuning: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Rotate every head of ``qk`` ([N, heads, D], e.g. the q and k heads of the packed qkv
     buffer viewed as ``qkv[:, :2*H*D].view(N, 2*H, D)``) in place, in one launch.
 
     cos, sin: fp32 [N, D] laid out as [h, w, h, w] frequencies (rotate_half pairs column j with
-    j + D/2).  Returns qk.  Falls back to ATen off CUDA.
+    j + D/2).  Returns qk.  Falls back to ATen off CUDA.  ``tuning``: (tokens per program, heads
+    per program, warps) for benchmarks; the defaults were picked on the H200.
     """
     if qk.dim() != 3 or qk.stride(-1) != 1:
         raise ValueError(f"qk must be [N, heads, D] with a contiguous last dim, got {tuple(qk.shape)} {qk.stride()}")
@@ -183,9 +193,11 @@ def rotary_qk_in_place(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     if n == 0:
         return qk
     half = d // 2
-    _kernel("rotary_qk")[(_ta.triton.cdiv(n, _ROTARY_TOKENS),)](
+    block_t, group, warps = tuning or (_ROTARY_TOKENS, _ROTARY_HEADS, 4)
+    group = max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)   # a divisor of heads
+    _kernel("rotary_qk")[(_ta.triton.cdiv(n, block_t), heads // group)](
         qk, cos, sin, n, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
-        NUM_HEADS=heads, HALF=half, HALF_P=_ta.triton.next_power_of_2(half), BLOCK_T=_ROTARY_TOKENS,
-        num_warps=4,
+        HEADS_PER_PROGRAM=group, HALF=half, HALF_P=_ta.triton.next_power_of_2(half), BLOCK_T=block_t,
+        num_warps=warps,
     )
     return qk
