@@ -23,10 +23,13 @@ interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is first impor
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 try:  # guarded: the module must import where triton is absent
     import triton
@@ -276,6 +279,7 @@ if triton is not None:
         MASKED: tl.constexpr,
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        FAST_EXP: tl.constexpr,
     ):
         """One key/value block of the online softmax (MASKED only for the sequence's last block)."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -294,10 +298,20 @@ if triton is not None:
             qk = tl.where((offs_n < seq_len)[None, :], qk, float("-inf"))
         # online softmax in the log2 domain; qk_scale = softmax scale * log2(e)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(q0.dtype)
+        if FAST_EXP:
+            # exp2 of two fp16 values per MUFU instruction: the exponentials, not the two small
+            # dots, bound this loop at head_dim 72. p is rounded to 16 bits for the P@V dot
+            # anyway (bf16, 8-bit mantissa); fp16 keeps 11.
+            p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
+                                            [(qk * qk_scale - m_new[:, None]).to(tl.float16)],
+                                            dtype=tl.float16, is_pure=True, pack=2)
+            l_i = l_i * alpha + tl.sum(p16.to(tl.float32), 1)
+            p = p16.to(q0.dtype)
+        else:
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(q0.dtype)
         v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
                         0, D0, HEAD_DIM, False)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
@@ -336,6 +350,7 @@ if triton is not None:
         ROTARY_Q: tl.constexpr,
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        FAST_EXP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         head = tl.program_id(1)
@@ -397,12 +412,12 @@ if triton is not None:
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC)
+                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC, FAST_EXP)
         for start_n in range(n_full, seq_len, BLOCK_N):
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC)
+                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC, FAST_EXP)
 
         inv_l = 1.0 / l_i
         o_rows = o_base + offs_m[:, None] * stride_on
@@ -539,6 +554,17 @@ def _as_aligned(x: torch.Tensor, vec: int) -> torch.Tensor:
     return view
 
 
+_FAST_EXP_BROKEN: str | None = None     # set once if the compiler rejected the fp16x2 exp
+
+
+def _fast_exp_enabled(q: torch.Tensor) -> bool:
+    """fp16x2 exponentials: compiled CUDA (the interpreter has no PTX), half-precision inputs,
+    and not switched off by FD_ATTN_FAST_EXP=0 or by an earlier compile failure."""
+    if _TRITON_INTERPRETED or q.dtype == torch.float32 or _FAST_EXP_BROKEN is not None:
+        return False
+    return os.environ.get("FD_ATTN_FAST_EXP", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
     h, d = q.shape[1], q.shape[2]
@@ -581,6 +607,7 @@ def varlen_attention(
     rotary_mode: str = "auto",
     maxnreg: int | None = None,
     rotary_in_place: bool = False,
+    fast_exp: bool | None = None,
 ) -> torch.Tensor:
     """Block-diagonal (per-sequence, non-causal) attention over packed sequences, one launch.
 
@@ -596,13 +623,16 @@ def varlen_attention(
     "fused" rotates k tiles inside the attention loop too (single launch, but every query
     block re-rotates every k tile).  "auto" (default) = "prepass" when max_seqlen > 2048 else
     "q_fused".  H200, bf16, H=16, D=72: page of 10764 tokens: prepass 1.72 ms, q_fused 1.98,
-    fused 4.73 (no rotary 1.60); 64 small images: q_fused 0.29, prepass 0.33, fused 0.39.
+    fused 4.73 (no rotary 1.60); 64 small images: q_fused 0.29, prepass 0.33, fused 0.39
+    (copying pre-pass; with rotary_in_place "auto" always takes the in-place pre-pass).
     block_m must match the table's; block_n / num_warps / num_stages override the defaults;
     maxnreg caps registers per thread (None: automatic, 0: no cap).
     rotary_in_place: the caller allows q and k to be overwritten with their rotated values (the
     encoder's qkv buffer is scratch): the pre-pass then rotates them in place, q and k together
     in one launch when they are adjacent heads of one buffer (ops/triton_fused.py), instead of
     into new buffers.
+    fast_exp: softmax exponentials as fp16x2 MUFU instructions (None: on for fp16/bf16 on CUDA,
+    see :func:`_fast_exp_enabled`).
     Returns the contiguous ``[N, H, D]`` output.  Rows of tokens not covered by the block table
     are left untouched.  No host<->device synchronisation.
     """
@@ -655,7 +685,10 @@ def varlen_attention(
     if rotary_mode not in ("auto", "q_fused", "fused", "prepass"):
         raise ValueError(f"rotary_mode must be 'auto', 'q_fused', 'fused' or 'prepass', got {rotary_mode!r}")
     if rotary_mode == "auto":
-        rotary_mode = "prepass" if max_seqlen > _ROTARY_PREPASS_MIN_SEQLEN else "q_fused"
+        # the in-place one-launch pass (q and k together, ~0.07 ms per layer on a page on the
+        # H200) beat rotating q inside the kernel on every workload; the copying pre-pass only
+        # pays above _ROTARY_PREPASS_MIN_SEQLEN
+        rotary_mode = "prepass" if (rotary_in_place or max_seqlen > _ROTARY_PREPASS_MIN_SEQLEN) else "q_fused"
 
     if out is None:
         out = torch.empty((n_tok, n_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -747,28 +780,43 @@ def varlen_attention(
         maxnreg = 128 if (rot_q and not rot_k and num_warps == 8 and q.dtype != torch.float32) else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg else {}
     grid = (num_blocks, n_heads)
-    kernel[grid](
-        q, k, v, out_k, block_table, cos_arg, sin_arg,
-        q.stride(0) // vec, q.stride(1) // vec,
-        k.stride(0) // vec, k.stride(1) // vec,
-        v.stride(0) // vec, v.stride(1) // vec,
-        out_k.stride(0) // vec, out_k.stride(1) // vec,
-        scn, ssn,
-        scale * _LOG2E,
-        HEAD_DIM=head_dim,
-        D0=d0,
-        D1=d1,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ALIGN=vec,
-        CALIGN=4,
-        ROTARY_Q=rot_q,
-        ROTARY_K=rot_k,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **launch_opts,
-    )
+    fast_exp = _fast_exp_enabled(q) if fast_exp is None else bool(fast_exp)
+
+    def launch(fast: bool):
+        kernel[grid](
+            q, k, v, out_k, block_table, cos_arg, sin_arg,
+            q.stride(0) // vec, q.stride(1) // vec,
+            k.stride(0) // vec, k.stride(1) // vec,
+            v.stride(0) // vec, v.stride(1) // vec,
+            out_k.stride(0) // vec, out_k.stride(1) // vec,
+            scn, ssn,
+            scale * _LOG2E,
+            HEAD_DIM=head_dim,
+            D0=d0,
+            D1=d1,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            ALIGN=vec,
+            CALIGN=4,
+            ROTARY_Q=rot_q,
+            ROTARY_K=rot_k,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            FAST_EXP=fast,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **launch_opts,
+        )
+
+    global _FAST_EXP_BROKEN
+    try:
+        launch(fast_exp)
+    except Exception as e:  # noqa: BLE001 - compile/PTX errors differ between Triton versions
+        if not fast_exp:
+            raise
+        # the inline-asm exp is an optimisation: a Triton/PTX that rejects it gets the plain exp
+        _FAST_EXP_BROKEN = f"{type(e).__name__}: {str(e)[:200]}"
+        _log.warning("varlen attention: fp16x2 exp unavailable (%s); using exp2", _FAST_EXP_BROKEN)
+        launch(False)
     if out_k is not out:
         out.copy_(out_k)
     return out
