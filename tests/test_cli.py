@@ -91,6 +91,26 @@ def test_impossible_plan_names_the_row():
     assert r.returncode == 2 and "unknown keys" in r.stderr
 
 
+def test_fused_layers_flag():
+    r = cli("info", "--device", "cpu", "--fused-layers", "on", check=False)
+    assert r.returncode == 2 and "row cpu does not support fused layers" in r.stderr
+    r = cli("info", "--device", "cpu", "--fused-layers", "sometimes", check=False)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = cli("info", "--device", "cpu", "--fused-layers", "off")
+    assert "fused_layers    = False" in r.stdout and "(requested)" in r.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_micro_benchmarks_without_a_gpu_say_so():
+    for target in ("layers", "attention"):
+        r = cli("bench", target, check=False)
+        assert r.returncode == 2 and "CUDA" in r.stderr, (target, r.stderr)
+    r = cli("bench", "layers", "--tokens", "1,x", check=False)
+    assert r.returncode == 2 and "--tokens" in r.stderr
+    r = cli("bench", "attention", "--workloads", "page,nope", check=False)
+    assert r.returncode == 2 and "unknown workloads ['nope']" in r.stderr
+
+
 def test_info_prints_probe_and_plan_with_reasons():
     r = cli("info", "--device", "cpu_amx", "--json")
     assert "probes:" in r.stdout and "oneDNN AMX evidence" in r.stdout
@@ -98,7 +118,7 @@ def test_info_prints_probe_and_plan_with_reasons():
     last = json.loads(r.stdout.strip().splitlines()[-1])
     plan = last["plan"]
     assert plan["row"] in ("cpu", "cpu_amx")
-    for k in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "compile_layers"):
+    for k in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "compile_layers", "fused_layers"):
         assert plan[k]["reason"]
     if plan["row"] == "cpu":
         assert "no AMX" in r.stdout

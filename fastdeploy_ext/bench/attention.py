@@ -25,7 +25,8 @@ Backends (q/k/v are strided views of one random packed qkv buffer [N, 3*H*D]):
                    outside the timing)
   sdpa_cudnn_single  one SDPA cuDNN call over the single image, no copy back (1-image only)
 
-Usage:  python -m fastdeploy_ext.bench.attention [--quick] [--no-flex] [--sweep] [--configs ...] [--diag]
+Usage:  fastdeploy-ext bench attention [--quick] [--no-flex] [--sweep] [--configs ...] [--diag]
+        (= python -m fastdeploy_ext.bench.attention)
 Writes $OUT/attn_bench.json when OUT is set.
 """
 
@@ -304,8 +305,7 @@ def print_diag(ta) -> list[dict]:
     return recs
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer warmup/timed iterations")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (torch.compile takes a while)")
     ap.add_argument("--sweep", action="store_true", help="also sweep triton block sizes / warps / stages")
@@ -314,8 +314,20 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help='extra triton configs to time: "BM,BN,WARPS,STAGES;..."')
     ap.add_argument("--diag", action="store_true", help="print regs/spills/smem/wgmma of compiled kernels")
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing backends")
-    args = ap.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
+
+
+def run_cli(args) -> int:
+    """`fastdeploy-ext bench attention` / `python -m fastdeploy_ext.bench.attention`."""
+    unknown = [w for w in args.workloads.split(",") if w and w not in WORKLOADS]
+    if unknown:
+        print(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2

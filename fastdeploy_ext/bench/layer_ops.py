@@ -2,7 +2,8 @@
 and transformers run) vs ours (the fused Triton passes, the GELU GEMM epilogue, a padded MLP
 width), side by side per token count, with the max error of ours against ATen.
 
-Usage:  python -m fastdeploy_ext.bench.layer_ops [--tokens 10764,15680,512,320] [--iters 20]
+Usage:  fastdeploy-ext bench layers [--tokens 10764,15680,512,320] [--iters 20] [--tune]
+        (= python -m fastdeploy_ext.bench.layer_ops)
 Prints one table; writes $OUT/layer_ops.json when OUT is set.  Nothing asserts a time.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -180,19 +182,29 @@ def tune(tokens: list[int]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="10764,15680,512,320")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tokens", default="10764,15680,512,320", help="comma list of token counts")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--pad-to", type=int, default=128, help="pad the MLP width to a multiple of this")
     ap.add_argument("--tune", action="store_true", help="also sweep the Triton passes' launch parameters")
-    args = ap.parse_args(argv)
+
+
+def run_cli(args) -> int:
+    """`fastdeploy-ext bench layers` / `python -m fastdeploy_ext.bench.layer_ops`."""
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        print(f"--tokens must be a comma list of positive ints, got {args.tokens!r}", file=sys.stderr)
+        return 2
+    if not tokens or min(tokens) < 1 or args.pad_to < 1 or args.iters < 1 or args.warmup < 0:
+        print("--tokens, --pad-to and --iters must be positive, --warmup >= 0", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("layer_ops needs a CUDA device")
+        print("bench layers needs a CUDA device (it times CUDA kernels: cuBLASLt epilogues, Triton)",
+              file=sys.stderr)
         return 2
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} bf16, hidden {HIDDEN}, MLP {INTER}")
-    tokens = [int(t) for t in args.tokens.split(",")]
     rows = run(tokens, args.iters, args.warmup, args.pad_to)
     if args.tune:
         rows += tune(tokens)
@@ -200,6 +212,12 @@ def main(argv=None) -> int:
         with open(os.path.join(os.environ["OUT"], "layer_ops.json"), "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -199,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="also profile one call per workload and print the TOP most expensive kernels")
     bv.set_defaults(func=cmd_bench)
+    from ..bench import attention as attention_bench
+    from ..bench import layer_ops
+    ba = bsub.add_parser("attention", help="varlen attention kernels alone, per layer (CUDA)")
+    attention_bench.add_arguments(ba)
+    ba.set_defaults(func=attention_bench.run_cli)
+    bl = bsub.add_parser("layers", help="non-attention ops of a layer: ATen vs the fused path (CUDA)")
+    layer_ops.add_arguments(bl)
+    bl.set_defaults(func=layer_ops.run_cli)
     return p
 
 

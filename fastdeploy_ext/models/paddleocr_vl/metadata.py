@@ -85,8 +85,12 @@ class MetadataBuilder:
         return cpu.to(self.device)
 
     def _per_image_tables(self, h: int, w: int):
-        """(pos_embed [h*w, D], cos, sin) for one frame of size h x w, raster order."""
+        """(pos_embed [h*w, D], cos, sin, merge order) for one frame of size h x w: the first
+        three on the device in raster order, the last a host int64 tensor of raster indices in
+        (block row, block col, i, j) order."""
         def create():
+            m = self.merge
+            order = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).flatten()
             rows = torch.arange(h).repeat_interleave(w)
             cols = torch.arange(w).repeat(h)
             # sizes as full tensors, like the device path: a scalar divisor may be turned into a
@@ -97,7 +101,7 @@ class MetadataBuilder:
             wts_d = self._upload(wts)
             self.rotary.ensure(max(h, w))
             cos, sin = self.rotary.lookup(rows_d, cols_d)
-            return resample(self.pos_table, idx_d, wts_d, self.dtype), cos, sin
+            return resample(self.pos_table, idx_d, wts_d, self.dtype), cos, sin, order
         return self.cache.get_or_create((h, w), create)
 
     def build_host(self, grids: Sequence[Grid]) -> VisionMetadata:
@@ -107,18 +111,15 @@ class MetadataBuilder:
         for n in seq_lens:
             cu.append(cu[-1] + n)
         n_tok = cu[-1]
-        # merge permutation, host side: per frame, (bh, bw, i, j) order of raster indices
-        perm = []
-        offset = 0
-        for t, h, w in grids:
-            base = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).flatten()
-            for _ in range(t):
-                perm.append(base + offset)
-                offset += h * w
-        packed = self._upload(torch.cat([torch.tensor(cu, dtype=torch.int64)] + perm))
+        tables = [self._per_image_tables(h, w) for t, h, w in grids for _ in range(t)]
+        # merge permutation, host side: each frame's cached (bh, bw, i, j) order, shifted by the
+        # frame's first token (a few vectorised ops instead of several per image)
+        cu_t = torch.tensor(cu, dtype=torch.int64)
+        perm = (torch.cat([tb[3] for tb in tables]) if len(tables) > 1 else tables[0][3]) + \
+            torch.repeat_interleave(cu_t[:-1], torch.tensor(seq_lens))
+        packed = self._upload(torch.cat([cu_t, perm]))
         cu_d = packed[:len(cu)].to(torch.int32)
         merge_index = packed[len(cu):]
-        tables = [self._per_image_tables(h, w) for t, h, w in grids for _ in range(t)]
         pos, cos, sin = (torch.cat([tb[i] for tb in tables]) if len(tables) > 1 else tables[0][i] for i in range(3))
         meta = VisionMetadata(
             num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_d, max_seqlen=max(seq_lens),
