@@ -280,19 +280,34 @@ if triton is not None:
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
         FAST_EXP: tl.constexpr,
+        KD0,
+        KD1,
+        VD0,
+        VD1,
+        tok0,
+        head,
+        TMA: tl.constexpr,
     ):
-        """One key/value block of the online softmax (MASKED only for the sequence's last block)."""
+        """One key/value block of the online softmax (MASKED only for the sequence's last block).
+        TMA: k/v tiles come through tensor descriptors (KD*/VD*, rows from token tok0 of the
+        packed buffer, head `head`); columns past head_dim arrive as zeros."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             rows = tl.minimum(offs_n, seq_len - 1)  # clamp: duplicates of the last row
         else:
             rows = offs_n
-        k0 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, ROTARY_K)
+        if TMA:
+            k0 = tl.reshape(KD0.load([tok0 + start_n, head, 0]), [BLOCK_N, D0])
+        else:
+            k0 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
+                            0, D0, HEAD_DIM, ROTARY_K)
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         if D1 > 0:
-            k1 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, ROTARY_K)
+            if TMA:
+                k1 = tl.reshape(KD1.load([tok0 + start_n, head, D0]), [BLOCK_N, D1])
+            else:
+                k1 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
+                                D0, D1, HEAD_DIM, ROTARY_K)
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         if MASKED:
             qk = tl.where((offs_n < seq_len)[None, :], qk, float("-inf"))
@@ -312,12 +327,18 @@ if triton is not None:
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             p = p.to(q0.dtype)
-        v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, False)
+        if TMA:
+            v0 = tl.reshape(VD0.load([tok0 + start_n, head, 0]), [BLOCK_N, D0])
+        else:
+            v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
+                            0, D0, HEAD_DIM, False)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
         if D1 > 0:
-            v1 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, False)
+            if TMA:
+                v1 = tl.reshape(VD1.load([tok0 + start_n, head, D0]), [BLOCK_N, D1])
+            else:
+                v1 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
+                                D0, D1, HEAD_DIM, False)
             acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
         return acc0, acc1, m_new, l_i
 
@@ -351,6 +372,13 @@ if triton is not None:
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
         FAST_EXP: tl.constexpr,
+        QD0,
+        QD1,
+        KD0,
+        KD1,
+        VD0,
+        VD1,
+        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         head = tl.program_id(1)
@@ -387,15 +415,24 @@ if triton is not None:
         m_mask = offs_m < seq_len
         q_rows = tl.minimum(offs_m, seq_len - 1)  # clamp: rows past the sequence are not stored
         offs_d0 = tl.arange(0, D0)
-        q0 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, ROTARY_Q)
+        tok0 = seq_start.to(tl.int32)
+        if TMA:
+            # rows past the sequence belong to the next one (finite, never stored); past the
+            # buffer's end and past head_dim the descriptor returns zeros
+            q0 = tl.reshape(QD0.load([tok0 + q_start, head, 0]), [BLOCK_M, D0])
+        else:
+            q0 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
+                            0, D0, HEAD_DIM, ROTARY_Q)
         if D0 > HEAD_DIM:
             q0 = tl.where((offs_d0 < HEAD_DIM)[None, :], q0, 0.0)
         acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
         if D1 > 0:
             offs_d1 = D0 + tl.arange(0, D1)
-            q1 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, ROTARY_Q)
+            if TMA:
+                q1 = tl.reshape(QD1.load([tok0 + q_start, head, D0]), [BLOCK_M, D1])
+            else:
+                q1 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
+                                D0, D1, HEAD_DIM, ROTARY_Q)
             if D0 + D1 > HEAD_DIM:
                 q1 = tl.where((offs_d1 < HEAD_DIM)[None, :], q1, 0.0)
             acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
@@ -412,12 +449,12 @@ if triton is not None:
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC, FAST_EXP)
+                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC, FAST_EXP, KD0, KD1, VD0, VD1, tok0, head, TMA)
         for start_n in range(n_full, seq_len, BLOCK_N):
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC, FAST_EXP)
+                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC, FAST_EXP, KD0, KD1, VD0, VD1, tok0, head, TMA)
 
         inv_l = 1.0 / l_i
         o_rows = o_base + offs_m[:, None] * stride_on
@@ -567,6 +604,31 @@ def _fast_exp_enabled(q: torch.Tensor) -> bool:
     return os.environ.get("FD_ATTN_FAST_EXP", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+_TMA_BROKEN: str | None = None          # set once if the compiler rejected the descriptor loads
+
+
+def _tma_enabled(q: torch.Tensor) -> bool:
+    """TMA tile loads: FD_ATTN_TMA=1 on a compute capability >= 9.0 device (or the interpreter,
+    for tests), half-precision inputs, no earlier compile failure."""
+    if q.dtype == torch.float32 or _TMA_BROKEN is not None:
+        return False
+    if os.environ.get("FD_ATTN_TMA", "0").strip().lower() not in ("1", "true", "on", "yes"):
+        return False
+    return _TRITON_INTERPRETED or (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+def _tma_descriptors(q, k, v, block_m: int, block_n: int, d0: int, d1: int) -> tuple:
+    """Host tensor descriptors over the [N, H, D] views (their own strides: packed-qkv views
+    work as they are): boxes of [rows, 1 head, chunk]; a box reaching past head_dim or past the
+    last token is zero-filled by the hardware, which replaces the pointer path's clamping."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t, rows, width):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width]) if width else None
+    return (desc(q, block_m, d0), desc(q, block_m, d1), desc(k, block_n, d0), desc(k, block_n, d1),
+            desc(v, block_n, d0), desc(v, block_n, d1))
+
+
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
     h, d = q.shape[1], q.shape[2]
@@ -610,6 +672,7 @@ def varlen_attention(
     maxnreg: int | None = None,
     rotary_in_place: bool = False,
     fast_exp: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Block-diagonal (per-sequence, non-causal) attention over packed sequences, one launch.
 
@@ -635,6 +698,8 @@ def varlen_attention(
     into new buffers.
     fast_exp: softmax exponentials as fp16x2 MUFU instructions (None: FD_ATTN_FAST_EXP, off by
     default, see :func:`_fast_exp_enabled`).
+    tma: load q/k/v tiles through Hopper tensor descriptors (TMA) instead of pointer loads, for
+    the plain kernel (no in-kernel rotary) (None: FD_ATTN_TMA, see :func:`_tma_enabled`).
     Returns the contiguous ``[N, H, D]`` output.  Rows of tokens not covered by the block table
     are left untouched.  No host<->device synchronisation.
     """
@@ -783,8 +848,10 @@ def varlen_attention(
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg else {}
     grid = (num_blocks, n_heads)
     fast_exp = _fast_exp_enabled(q) if fast_exp is None else bool(fast_exp)
+    use_tma = (_tma_enabled(q) if tma is None else bool(tma)) and not (rot_q or rot_k) and d1 in (0, 16, 32, 64)
+    descs = _tma_descriptors(q, k, v, block_m, block_n, d0, d1) if use_tma else (None,) * 6
 
-    def launch(fast: bool):
+    def launch(fast: bool, descs=descs):
         kernel[grid](
             q, k, v, out_k, block_table, cos_arg, sin_arg,
             q.stride(0) // vec, q.stride(1) // vec,
@@ -804,21 +871,28 @@ def varlen_attention(
             ROTARY_K=rot_k,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             FAST_EXP=fast,
+            QD0=descs[0], QD1=descs[1], KD0=descs[2], KD1=descs[3], VD0=descs[4], VD1=descs[5],
+            TMA=descs[0] is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch_opts,
         )
 
-    global _FAST_EXP_BROKEN
+    global _FAST_EXP_BROKEN, _TMA_BROKEN
     try:
         launch(fast_exp)
     except Exception as e:  # noqa: BLE001 - compile/PTX errors differ between Triton versions
-        if not fast_exp:
+        if not (fast_exp or use_tma):
             raise
-        # the inline-asm exp is an optimisation: a Triton/PTX that rejects it gets the plain exp
-        _FAST_EXP_BROKEN = f"{type(e).__name__}: {str(e)[:200]}"
-        _log.warning("varlen attention: fp16x2 exp unavailable (%s); using exp2", _FAST_EXP_BROKEN)
-        launch(False)
+        # both are optimisations: a Triton/PTX that rejects them gets the plain kernel
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+        if fast_exp:
+            _FAST_EXP_BROKEN = why
+        if use_tma:
+            _TMA_BROKEN = why
+        _log.warning("varlen attention: %s%s unavailable (%s); using the plain kernel",
+                     "fp16x2 exp " if fast_exp else "", "TMA loads" if use_tma else "", why)
+        launch(False, (None,) * 6)
     if out_k is not out:
         out.copy_(out_k)
     return out
