@@ -31,7 +31,6 @@ class AttentionEntry:
     head_dims: tuple[int, int]
     dtypes: tuple[str, ...]
     graph_safe: bool = False
-    use_when: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class CapabilityRow:
     @classmethod
     def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
         att = tuple(AttentionEntry(a["backend"], bool(a["reads_strides"]), tuple(a["head_dims"]),
-                                   tuple(a["dtypes"]), bool(a.get("graph_safe", False)), dict(a.get("use_when", {})))
+                                   tuple(a["dtypes"]), bool(a.get("graph_safe", False)))
                     for a in d["attention"])
         return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], att,
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
