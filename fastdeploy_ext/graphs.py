@@ -52,7 +52,8 @@ class _BudgetGraph:
         self.sin = torch.zeros(tokens, vc.head_dim, device=dev, dtype=torch.float32)
         self.merge_index = torch.arange(tokens, device=dev)
         # Unused block-table rows must be valid no-ops for the kernel's fixed grid: a 1-token
-        # sequence at offset 0 whose query block starts past its end stores nothing.
+        # sequence at offset 0 whose query block starts past its end stores nothing. (Each still
+        # computes one masked tile: docs/PERFORMANCE.md, "one 8x40 block", for the cost.)
         self.noop_table = torch.tensor([[0, 1, BLOCK_M]], device=dev, dtype=torch.int32).repeat(self.max_blocks, 1)
         self.block_table = self.noop_table.clone()
         self.meta = VisionMetadata(

@@ -352,3 +352,16 @@ def test_cuda_tma_loads(compiled, dtype):
     assert torch.equal(dense, tma)
     ref = _reference(q.cpu(), k.cpu(), v.cpu(), lens, d ** -0.5)
     assert ((tma.cpu().double() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@interp
+def test_interp_padding_rows_of_a_graph_table_are_no_ops():
+    """A fixed-size table (as a captured graph uses) padded with (0, 1, BLOCK_M) rows: those
+    programs store nothing, the output equals the unpadded table's."""
+    n = sum(SEQ_LENS)
+    _, q, k, v = _packed_qkv(n, H, 72, torch.float32, seed=9)
+    bt = ta.build_block_table(SEQ_LENS, block_m=16)
+    padded = torch.cat([bt, torch.tensor([[0, 1, 16]], dtype=torch.int32).repeat(7, 1)])
+    a = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), 0.1, block_m=16, block_n=16)
+    b = ta.varlen_attention(q, k, v, padded, max(SEQ_LENS), 0.1, block_m=16, block_n=16)
+    assert torch.equal(a, b)
