@@ -24,15 +24,6 @@ class EnvVar:
 FD_LOG_LEVEL = EnvVar("FD_LOG_LEVEL", "INFO", "logging level (DEBUG, INFO, WARNING)")
 
 
-def _switch(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no", ""):
-        return False
-    raise ValueError(raw)
-
-
 def _positive_int(raw: str) -> int:
     value = int(raw.strip().replace("_", ""))
     if value <= 0:
@@ -46,11 +37,4 @@ FD_MAX_IMAGE_PIXELS = EnvVar("FD_MAX_IMAGE_PIXELS", str(64 * 1024 * 1024),
 FD_POS_EMBED_CACHE_SIZE = EnvVar("FD_POS_EMBED_CACHE_SIZE", "64",
                                  "entries of the per-(h, w) position-embedding/rotary LFU cache", int)
 
-FD_ATTN_FAST_EXP = EnvVar("FD_ATTN_FAST_EXP", "0",
-                          "0 or 1: varlen attention computes its softmax exponentials as fp16x2 "
-                          "(measured slower on the H200, off by default)", _switch)
-FD_ATTN_TMA = EnvVar("FD_ATTN_TMA", "0",
-                     "0 or 1: varlen attention loads q/k/v tiles through TMA tensor descriptors on "
-                     "compute capability >= 9 (measured slower on the H200, off by default)", _switch)
-
-ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE, FD_ATTN_FAST_EXP, FD_ATTN_TMA)
+ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE)

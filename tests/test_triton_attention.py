@@ -317,44 +317,6 @@ def test_cuda_other_configs(compiled, block_m, block_n, num_warps, num_stages):
 
 
 @interp
-@pytest.mark.parametrize("head_dim", [72, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interp_tma_descriptor_loads_match_pointer_loads(head_dim, dtype):
-    """tma=True (tiles through tensor descriptors over the packed-qkv views, zero-filled past
-    head_dim and past the last token) gives the pointer path's exact output, and the reference."""
-    n = sum(SEQ_LENS)
-    _, q, k, v = _packed_qkv(n, H, head_dim, dtype, seed=5)
-    bt = ta.build_block_table(SEQ_LENS, block_m=16)
-    kw = dict(block_m=16, block_n=16)
-    ptr = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), head_dim ** -0.5, tma=False, **kw)
-    tma = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), head_dim ** -0.5, tma=True, **kw)
-    assert ta._TMA_BROKEN is None
-    assert torch.equal(ptr, tma)
-    ref = _reference(q, k, v, SEQ_LENS, head_dim ** -0.5)
-    assert ((tma.double() - ref).abs().max() / ref.abs().max()).item() <= (1e-5 if dtype == torch.float32 else 3e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_tma_loads(compiled, dtype):
-    """TMA descriptor loads on the GPU: packed-qkv views and dense tensors, the same output as
-    the pointer path and the reference (the optimisation must not change numbers)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs compute capability >= 9.0")
-    lens = [320, 720, 1, 600, 1024, 129, 5, 77, 2100]
-    n, h, d = sum(lens), 16, 72
-    _, q, k, v = _packed_qkv(n, h, d, dtype, device="cuda", seed=7)
-    bt = ta.build_block_table(lens).cuda()
-    ptr = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, tma=False)
-    tma = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, tma=True)
-    assert ta._TMA_BROKEN is None, ta._TMA_BROKEN
-    assert torch.allclose(ptr.float(), tma.float(), rtol=0, atol=2e-3)
-    dense = ta.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), bt, max(lens), d ** -0.5, tma=True)
-    assert torch.equal(dense, tma)
-    ref = _reference(q.cpu(), k.cpu(), v.cpu(), lens, d ** -0.5)
-    assert ((tma.cpu().double() - ref).norm() / ref.norm()).item() < 5e-3
-
-
-@interp
 def test_interp_padding_rows_of_a_graph_table_are_no_ops():
     """A fixed-size table (as a captured graph uses) padded with (0, 1, BLOCK_M) rows: those
     programs store nothing, the output equals the unpadded table's."""

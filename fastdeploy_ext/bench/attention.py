@@ -8,8 +8,6 @@ Workloads (packed token counts):
 
 Backends (q/k/v are strided views of one random packed qkv buffer [N, 3*H*D]):
   triton           fastdeploy_ext.ops.triton_attention.varlen_attention (one launch)
-  triton_fastexp   same with fp16x2 exponentials (FD_ATTN_FAST_EXP=1) instead of fp32 exp2
-  triton_tma       same with q/k/v tiles loaded through TMA tensor descriptors (FD_ATTN_TMA=1)
   triton_bm64      same with BLOCK_M=64 (its own block table)
   triton_rotary    same with 2D rotary (cos/sin [N, D] fp32), default rotary_mode="auto"
   triton_rot_qfused  rotary_mode="q_fused": q rotated in the attention kernel, k in one
@@ -152,10 +150,6 @@ def run_workload(name, lens, args, ta, results):
     if ta is not None:
         bt = ta.build_block_table(lens).to(dev)
         bench("triton", lambda: ta.varlen_attention(q, k, v, bt, max_len, scale, out=out_buf))
-        out_e = torch.empty_like(out_buf)
-        bench("triton_fastexp", lambda: ta.varlen_attention(q, k, v, bt, max_len, scale, out=out_e, fast_exp=True))
-        out_t = torch.empty_like(out_buf)
-        bench("triton_tma", lambda: ta.varlen_attention(q, k, v, bt, max_len, scale, out=out_t, tma=True))
         bt64 = ta.build_block_table(lens, block_m=64).to(dev)
         out64 = torch.empty_like(out_buf)
         bench("triton_bm64", lambda: ta.varlen_attention(q, k, v, bt64, max_len, scale, out=out64, block_m=64))

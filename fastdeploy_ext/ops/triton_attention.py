@@ -23,13 +23,10 @@ interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is first impor
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 
 import torch
-
-_log = logging.getLogger(__name__)
 
 try:  # guarded: the module must import where triton is absent
     import triton
@@ -279,66 +276,34 @@ if triton is not None:
         MASKED: tl.constexpr,
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        FAST_EXP: tl.constexpr,
-        KD0,
-        KD1,
-        VD0,
-        VD1,
-        tok0,
-        head,
-        TMA: tl.constexpr,
     ):
-        """One key/value block of the online softmax (MASKED only for the sequence's last block).
-        TMA: k/v tiles come through tensor descriptors (KD*/VD*, rows from token tok0 of the
-        packed buffer, head `head`); columns past head_dim arrive as zeros."""
+        """One key/value block of the online softmax (MASKED only for the sequence's last block)."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             rows = tl.minimum(offs_n, seq_len - 1)  # clamp: duplicates of the last row
         else:
             rows = offs_n
-        if TMA:
-            k0 = tl.reshape(KD0.load([tok0 + start_n, head, 0]), [BLOCK_N, D0])
-        else:
-            k0 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                            0, D0, HEAD_DIM, ROTARY_K)
+        k0 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
+                        0, D0, HEAD_DIM, ROTARY_K)
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         if D1 > 0:
-            if TMA:
-                k1 = tl.reshape(KD1.load([tok0 + start_n, head, D0]), [BLOCK_N, D1])
-            else:
-                k1 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                                D0, D1, HEAD_DIM, ROTARY_K)
+            k1 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
+                            D0, D1, HEAD_DIM, ROTARY_K)
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         if MASKED:
             qk = tl.where((offs_n < seq_len)[None, :], qk, float("-inf"))
         # online softmax in the log2 domain; qk_scale = softmax scale * log2(e)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        if FAST_EXP:
-            # exp2 of two fp16 values per MUFU instruction: the exponentials, not the two small
-            # dots, bound this loop at head_dim 72. p is rounded to 16 bits for the P@V dot
-            # anyway (bf16, 8-bit mantissa); fp16 keeps 11.
-            p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
-                                            [(qk * qk_scale - m_new[:, None]).to(tl.float16)],
-                                            dtype=tl.float16, is_pure=True, pack=2)
-            l_i = l_i * alpha + tl.sum(p16.to(tl.float32), 1)
-            p = p16.to(q0.dtype)
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p = p.to(q0.dtype)
-        if TMA:
-            v0 = tl.reshape(VD0.load([tok0 + start_n, head, 0]), [BLOCK_N, D0])
-        else:
-            v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                            0, D0, HEAD_DIM, False)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(q0.dtype)
+        v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
+                        0, D0, HEAD_DIM, False)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
         if D1 > 0:
-            if TMA:
-                v1 = tl.reshape(VD1.load([tok0 + start_n, head, D0]), [BLOCK_N, D1])
-            else:
-                v1 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                                D0, D1, HEAD_DIM, False)
+            v1 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
+                            D0, D1, HEAD_DIM, False)
             acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
         return acc0, acc1, m_new, l_i
 
@@ -371,14 +336,6 @@ if triton is not None:
         ROTARY_Q: tl.constexpr,
         ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        FAST_EXP: tl.constexpr,
-        QD0,
-        QD1,
-        KD0,
-        KD1,
-        VD0,
-        VD1,
-        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         head = tl.program_id(1)
@@ -415,24 +372,15 @@ if triton is not None:
         m_mask = offs_m < seq_len
         q_rows = tl.minimum(offs_m, seq_len - 1)  # clamp: rows past the sequence are not stored
         offs_d0 = tl.arange(0, D0)
-        tok0 = seq_start.to(tl.int32)
-        if TMA:
-            # rows past the sequence belong to the next one (finite, never stored); past the
-            # buffer's end and past head_dim the descriptor returns zeros
-            q0 = tl.reshape(QD0.load([tok0 + q_start, head, 0]), [BLOCK_M, D0])
-        else:
-            q0 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                            0, D0, HEAD_DIM, ROTARY_Q)
+        q0 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
+                        0, D0, HEAD_DIM, ROTARY_Q)
         if D0 > HEAD_DIM:
             q0 = tl.where((offs_d0 < HEAD_DIM)[None, :], q0, 0.0)
         acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
         if D1 > 0:
             offs_d1 = D0 + tl.arange(0, D1)
-            if TMA:
-                q1 = tl.reshape(QD1.load([tok0 + q_start, head, D0]), [BLOCK_M, D1])
-            else:
-                q1 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                                D0, D1, HEAD_DIM, ROTARY_Q)
+            q1 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
+                            D0, D1, HEAD_DIM, ROTARY_Q)
             if D0 + D1 > HEAD_DIM:
                 q1 = tl.where((offs_d1 < HEAD_DIM)[None, :], q1, 0.0)
             acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
@@ -449,12 +397,12 @@ if triton is not None:
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC, FAST_EXP, KD0, KD1, VD0, VD1, tok0, head, TMA)
+                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC)
         for start_n in range(n_full, seq_len, BLOCK_N):
             acc0, acc1, m_i, l_i = _attn_step(
                 acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
                 stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC, FAST_EXP, KD0, KD1, VD0, VD1, tok0, head, TMA)
+                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC)
 
         inv_l = 1.0 / l_i
         o_rows = o_base + offs_m[:, None] * stride_on
@@ -591,48 +539,6 @@ def _as_aligned(x: torch.Tensor, vec: int) -> torch.Tensor:
     return view
 
 
-_FAST_EXP_BROKEN: str | None = None     # set once if the compiler rejected the fp16x2 exp
-
-
-def _fast_exp_enabled(q: torch.Tensor) -> bool:
-    """fp16x2 exponentials: only when FD_ATTN_FAST_EXP=1, on compiled CUDA (the interpreter has
-    no PTX) with half-precision inputs and no earlier compile failure. Off by default: measured
-    slower on the H200 (page 1.85 vs 1.67 ms per layer; the f32->f16 conversions cost more than
-    the halved MUFU work saves), kept as a switch for other GPUs."""
-    if _TRITON_INTERPRETED or q.dtype == torch.float32 or _FAST_EXP_BROKEN is not None:
-        return False
-    from .. import envs
-    return bool(envs.FD_ATTN_FAST_EXP.get())
-
-
-_TMA_BROKEN: str | None = None          # set once if the compiler rejected the descriptor loads
-
-
-def _tma_enabled(q: torch.Tensor) -> bool:
-    """TMA tile loads: FD_ATTN_TMA=1 on a compute capability >= 9.0 device (or the interpreter,
-    for tests), half-precision inputs, no earlier compile failure. Off by default: measured
-    slower on the H200 with Triton 3.6 (page 2.32 vs 1.66 ms per layer, 64 small blocks 0.39 vs
-    0.24), kept as a switch for other GPUs and Triton versions."""
-    if q.dtype == torch.float32 or _TMA_BROKEN is not None:
-        return False
-    from .. import envs
-    if not envs.FD_ATTN_TMA.get():
-        return False
-    return _TRITON_INTERPRETED or (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)
-
-
-def _tma_descriptors(q, k, v, block_m: int, block_n: int, d0: int, d1: int) -> tuple:
-    """Host tensor descriptors over the [N, H, D] views (their own strides: packed-qkv views
-    work as they are): boxes of [rows, 1 head, chunk]; a box reaching past head_dim or past the
-    last token is zero-filled by the hardware, which replaces the pointer path's clamping."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def desc(t, rows, width):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, width]) if width else None
-    return (desc(q, block_m, d0), desc(q, block_m, d1), desc(k, block_n, d0), desc(k, block_n, d1),
-            desc(v, block_n, d0), desc(v, block_n, d1))
-
-
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
     h, d = q.shape[1], q.shape[2]
@@ -675,8 +581,6 @@ def varlen_attention(
     rotary_mode: str = "auto",
     maxnreg: int | None = None,
     rotary_in_place: bool = False,
-    fast_exp: bool | None = None,
-    tma: bool | None = None,
 ) -> torch.Tensor:
     """Block-diagonal (per-sequence, non-causal) attention over packed sequences, one launch.
 
@@ -700,10 +604,6 @@ def varlen_attention(
     encoder's qkv buffer is scratch): the pre-pass then rotates them in place, q and k together
     in one launch when they are adjacent heads of one buffer (ops/triton_fused.py), instead of
     into new buffers.
-    fast_exp: softmax exponentials as fp16x2 MUFU instructions (None: FD_ATTN_FAST_EXP, off by
-    default, see :func:`_fast_exp_enabled`).
-    tma: load q/k/v tiles through Hopper tensor descriptors (TMA) instead of pointer loads, for
-    the plain kernel (no in-kernel rotary) (None: FD_ATTN_TMA, see :func:`_tma_enabled`).
     Returns the contiguous ``[N, H, D]`` output.  Rows of tokens not covered by the block table
     are left untouched.  No host<->device synchronisation.
     """
@@ -851,52 +751,28 @@ def varlen_attention(
         maxnreg = 128 if (rot_q and not rot_k and num_warps == 8 and q.dtype != torch.float32) else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg else {}
     grid = (num_blocks, n_heads)
-    fast_exp = _fast_exp_enabled(q) if fast_exp is None else bool(fast_exp)
-    use_tma = (_tma_enabled(q) if tma is None else bool(tma)) and not (rot_q or rot_k) and d1 in (0, 16, 32, 64)
-    descs = _tma_descriptors(q, k, v, block_m, block_n, d0, d1) if use_tma else (None,) * 6
-
-    def launch(fast: bool, descs=descs):
-        kernel[grid](
-            q, k, v, out_k, block_table, cos_arg, sin_arg,
-            q.stride(0) // vec, q.stride(1) // vec,
-            k.stride(0) // vec, k.stride(1) // vec,
-            v.stride(0) // vec, v.stride(1) // vec,
-            out_k.stride(0) // vec, out_k.stride(1) // vec,
-            scn, ssn,
-            scale * _LOG2E,
-            HEAD_DIM=head_dim,
-            D0=d0,
-            D1=d1,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            ALIGN=vec,
-            CALIGN=4,
-            ROTARY_Q=rot_q,
-            ROTARY_K=rot_k,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            FAST_EXP=fast,
-            QD0=descs[0], QD1=descs[1], KD0=descs[2], KD1=descs[3], VD0=descs[4], VD1=descs[5],
-            TMA=descs[0] is not None,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **launch_opts,
-        )
-
-    global _FAST_EXP_BROKEN, _TMA_BROKEN
-    try:
-        launch(fast_exp)
-    except Exception as e:  # noqa: BLE001 - compile/PTX errors differ between Triton versions
-        if not (fast_exp or use_tma):
-            raise
-        # both are optimisations: a Triton/PTX that rejects them gets the plain kernel
-        why = f"{type(e).__name__}: {str(e)[:200]}"
-        if fast_exp:
-            _FAST_EXP_BROKEN = why
-        if use_tma:
-            _TMA_BROKEN = why
-        _log.warning("varlen attention: %s%s unavailable (%s); using the plain kernel",
-                     "fp16x2 exp " if fast_exp else "", "TMA loads" if use_tma else "", why)
-        launch(False, (None,) * 6)
+    kernel[grid](
+        q, k, v, out_k, block_table, cos_arg, sin_arg,
+        q.stride(0) // vec, q.stride(1) // vec,
+        k.stride(0) // vec, k.stride(1) // vec,
+        v.stride(0) // vec, v.stride(1) // vec,
+        out_k.stride(0) // vec, out_k.stride(1) // vec,
+        scn, ssn,
+        scale * _LOG2E,
+        HEAD_DIM=head_dim,
+        D0=d0,
+        D1=d1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ALIGN=vec,
+        CALIGN=4,
+        ROTARY_Q=rot_q,
+        ROTARY_K=rot_k,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch_opts,
+    )
     if out_k is not out:
         out.copy_(out_k)
     return out
