@@ -40,9 +40,10 @@ class Variant:
     fused_layers: str = "off"
 
 
-# "eager" = ATen ops around the GEMMs; "fused" = the Triton residual+LayerNorm/rotary passes and
-# the GELU GEMM epilogue; ":rotary-pass" = plain varlen kernel after the one-launch q/k rotary
-# (instead of the rotary inside the attention launch).
+# "eager" = ATen LayerNorm/bias/GELU/residual ops around the GEMMs; "fused" = the Triton
+# residual+bias+LayerNorm passes and the GELU GEMM epilogue. The rotary belongs to the attention
+# backend: triton_varlen_rope rotates q and k in place in one launch, sdpa rows use the fused
+# path's Triton pass or ATen.
 VARIANTS = (
     Variant("dense/device/eager", "dense", "device", False),
     Variant("strided/device/eager", "strided", "device", False),
@@ -50,12 +51,8 @@ VARIANTS = (
     Variant("strided/host/eager+compile", "strided", "host", False, "on"),
     Variant("dense/host/fused", "dense", "host", False, fused_layers="on"),
     Variant("strided/host/fused", "strided", "host", False, fused_layers="on"),
-    Variant("strided/host/fused:rotary-pass", "strided", "host", False, attention_backend="triton_varlen",
-            fused_layers="on"),
     Variant("strided/host/graph", "strided", "host", True),
     Variant("strided/host/graph+fused", "strided", "host", True, fused_layers="on"),
-    Variant("strided/host/graph+fused:rotary-pass", "strided", "host", True, attention_backend="triton_varlen",
-            fused_layers="on"),
     Variant("cudnn:strided/host/eager", "strided", "host", False, "off", "sdpa_cudnn"),
 )
 
