@@ -138,12 +138,16 @@ class EncoderLayer(nn.Module):
                               next_norm.weight, next_norm.bias, next_norm.eps, out=x)
 
 
+# private ATen op (torch 2.11-2.13 have it); without it the GELU runs as its own kernel
+_ADDMM_ACTIVATION = getattr(torch, "_addmm_activation", None)
+
+
 def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str) -> torch.Tensor:
     """GELU(x @ w.T + b). On CUDA the tanh GELU is cuBLASLt's bias+GELU epilogue (one kernel, no
     round trip of the [N, intermediate] activation); elsewhere, and for exact GELU, ATen ops
     (torch's CPU _addmm_activation uses the erf GELU, not tanh)."""
-    if approx == "tanh" and x.is_cuda:
-        return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    if approx == "tanh" and x.is_cuda and _ADDMM_ACTIVATION is not None:
+        return _ADDMM_ACTIVATION(b, x, w.t(), use_gelu=True)
     return F.gelu(F.linear(x, w, b), approximate=approx)
 
 
