@@ -163,16 +163,17 @@ def tune(tokens: list[int]) -> list[dict]:
         x, d = torch.randn(n, HIDDEN, device=dev, dtype=dt), torch.randn(n, HIDDEN, device=dev, dtype=dt)
         w, b = torch.randn(HIDDEN, device=dev, dtype=dt), torch.randn(HIDDEN, device=dev, dtype=dt)
         ref = _time_device(lambda: F.layer_norm(x + d + b, (HIDDEN,), w, b, 1e-6))
-        for rows in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
+        # small grids: the first, larger ones did not finish inside the GPU leg's time limit
+        for rows in (1, 2, 4):
+            for warps in (4, 8):
                 ms = _time_device(lambda: tf.add_layer_norm(x, d, b, w, b, 1e-6, tuning=(rows, warps)))
                 out.append({"tokens": n, "kernel": "add_ln", "rows": rows, "warps": warps, "ms": ms, "aten_ms": ref})
         qkv = torch.randn(n, 3 * HIDDEN, device=dev, dtype=dt)
         cos, sin = torch.randn(n, HEAD_DIM, device=dev), torch.randn(n, HEAD_DIM, device=dev)
         qk = qkv[:, :2 * HIDDEN].view(n, 2 * HEADS, HEAD_DIM)
-        for bt in (8, 16, 32, 64):
-            for grp in (1, 2, 4, 8, 32):
-                for warps in (2, 4):
+        for bt in (16, 32, 64):
+            for grp in (2, 4, 8):
+                for warps in (4,):
                     ms = _time_device(lambda: tf.rotary_qk_in_place(qk, cos, sin, tuning=(bt, grp, warps)))
                     out.append({"tokens": n, "kernel": "rotary_qk", "block_t": bt, "heads": grp, "warps": warps,
                                 "ms": ms})
