@@ -124,6 +124,10 @@ def test_bad_shapes_are_clear_errors():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="delta must match"):
         tf.add_layer_norm(x, torch.randn(4, 9), None, torch.ones(8), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="weight must be a contiguous \\[8\\]"):
+        tf.add_layer_norm(x, None, None, torch.ones(9), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        tf.add_layer_norm(x, torch.randn(4, 8), torch.ones(16)[::2], torch.ones(8), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="cos must be fp32"):
         tf.rotary_qk_in_place(torch.randn(4, 2, 8), torch.randn(4, 8).double(), torch.randn(4, 8))
     with pytest.raises(ValueError, match="even head dim"):
