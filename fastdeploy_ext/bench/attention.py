@@ -44,6 +44,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from .timing import call_times_ms
+
 WORKLOADS: dict[str, list[int]] = {
     "page": [10764],
     "blocks16": [320, 720, 600, 540, 900, 500, 1024, 576] * 2,
@@ -55,19 +57,8 @@ D = 72
 
 
 def _time_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
-    """Median of per-call CUDA-event times (ms)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    """Median of per-call CUDA-event times (ms), and the times."""
+    times = call_times_ms(fn, warmup, iters)
     return statistics.median(times), times
 
 

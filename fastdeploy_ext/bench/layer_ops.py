@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -19,23 +18,9 @@ import torch.nn.functional as F
 
 from ..ops import triton_fused as tf
 from ..ops.rotary import rotary_in_place
+from .timing import median_ms
 
 HIDDEN, INTER, HEADS, HEAD_DIM = 1152, 4304, 16, 72
-
-
-def _time(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _time_device(fn, reps: int = 10, iters: int = 10) -> float:
@@ -50,7 +35,7 @@ def _time_device(fn, reps: int = 10, iters: int = 10) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
-    return _time(g.replay, 2, iters) / reps
+    return median_ms(g.replay, 2, iters) / reps
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,7 +119,7 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
             (f"MLP half, width {inter_p}", aten_mlp_half, lambda: ours_mlp_half(w1p, b1p, w2p)),
         ]
         for name, ref_fn, our_fn in cases:
-            t_ref, t_our = _time(ref_fn, warmup, iters), _time(our_fn, warmup, iters)
+            t_ref, t_our = median_ms(ref_fn, warmup, iters), median_ms(our_fn, warmup, iters)
             d_ref, d_our = _time_device(ref_fn), _time_device(our_fn)
             err = None
             if "rotary" in name:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import statistics
-import time
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -17,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..plan import PlanError
+from .timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +63,7 @@ class Timer:
         self.device, self.warmup, self.iters = device, warmup, iters
 
     def __call__(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            if self.device.type == "cuda":
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1000)
-        return statistics.median(times)
+        return median_ms(fn, self.warmup, self.iters, self.device.type)
 
 
 def _reset_peak(device):
