@@ -539,14 +539,6 @@ def _as_aligned(x: torch.Tensor, vec: int) -> torch.Tensor:
     return view
 
 
-def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
-    h, d = q.shape[1], q.shape[2]
-    return (q.stride() == k.stride() and q.stride(1) == d and q.untyped_storage().data_ptr() ==
-            k.untyped_storage().data_ptr() and k.data_ptr() - q.data_ptr() == h * d * q.element_size()
-            and q.stride(0) >= 2 * h * d)
-
-
 def _check_3d(name: str, t, ref_shape=None, ref_dtype=None, ref_device=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
@@ -733,13 +725,11 @@ def varlen_attention(
         return y
 
     if rotary and rotary_in_place and not rot_k:
-        from .triton_fused import rotary_qk_in_place
-        if not rot_q and _adjacent_heads(q, k):
-            rotary_qk_in_place(q.as_strided((n_tok, 2 * n_heads, head_dim), q.stride()), cos_arg, sin_arg)
-        else:
+        from .triton_fused import rotary_q_and_k_in_place, rotary_qk_in_place
+        if rot_q:
             rotary_qk_in_place(k, cos_arg, sin_arg)
-            if not rot_q:
-                rotary_qk_in_place(q, cos_arg, sin_arg)
+        else:
+            rotary_q_and_k_in_place(q, k, cos_arg, sin_arg)
     else:
         if rotary and not rot_k:
             k = _prepass(k)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from . import triton_attention as _ta
 
-__all__ = ["add_layer_norm", "add_layer_norm_torch", "rotary_qk_in_place", "rotary_qk_in_place_torch",
-           "kernels_usable"]
+__all__ = ["add_layer_norm", "add_layer_norm_torch", "rotary_q_and_k_in_place", "rotary_qk_in_place",
+           "rotary_qk_in_place_torch", "kernels_usable"]
 
 _ROWS_PER_PROGRAM = 4          # rows of [N, hidden] per add+LN program (amortises the w/b loads)
 _ADD_LN_WARPS = 8
@@ -208,3 +208,22 @@ def rotary_qk_in_place(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         num_warps=warps,
     )
     return qk
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
+    h, d = q.shape[1], q.shape[2]
+    return (q.stride() == k.stride() and q.stride(1) == d and q.untyped_storage().data_ptr() ==
+            k.untyped_storage().data_ptr() and k.data_ptr() - q.data_ptr() == h * d * q.element_size()
+            and q.stride(0) >= 2 * h * d)
+
+
+def rotary_q_and_k_in_place(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k ([N, H, D] each) in place: one launch over both when k's heads directly
+    follow q's in one buffer (the packed qkv's views), else one launch each."""
+    if _adjacent_heads(q, k):
+        n, h, d = q.shape
+        rotary_qk_in_place(q.as_strided((n, 2 * h, d), q.stride()), cos, sin)
+    else:
+        rotary_qk_in_place(q, cos, sin)
+        rotary_qk_in_place(k, cos, sin)

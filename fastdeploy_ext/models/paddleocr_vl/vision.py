@@ -17,7 +17,7 @@ from torch import nn
 
 from ...ops.attention import AttentionBackend
 from ...ops.rotary import rotary_in_place, rotary_out_of_place
-from ...ops.triton_fused import add_layer_norm, kernels_usable, rotary_qk_in_place
+from ...ops.triton_fused import add_layer_norm, kernels_usable, rotary_q_and_k_in_place
 from .config import VisionConfig
 from .metadata import VisionMetadata
 from .projector import Projector
@@ -103,21 +103,19 @@ class EncoderLayer(nn.Module):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             out = backend.fn(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
         else:
-            q, k, v = self._rotated(qkv, q, k, v, meta, ex.strided_qkv, ex.fused_layers and kernels_usable(qkv))
+            q, k, v = self._rotated(q, k, v, meta, ex.strided_qkv, ex.fused_layers and kernels_usable(qkv))
             out = backend.fn(q, k, v, meta, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
 
-    def _rotated(self, qkv, q, k, v, meta: VisionMetadata, strided: bool, triton: bool):
+    def _rotated(self, q, k, v, meta: VisionMetadata, strided: bool, triton: bool):
         """q and k with the 2D rotary applied: in place in the qkv buffer (strided) or on dense
         copies. Both layouts use the same arithmetic (the Triton kernel with fused layers, ATen
         otherwise), so their outputs stay bit-identical."""
-        if triton:
-            n, hd = qkv.shape[0], self.num_heads * self.head_dim
-            if strided:   # q and k are adjacent in each row: both rotated in one launch
-                rotary_qk_in_place(qkv[:, :2 * hd].view(n, 2 * self.num_heads, self.head_dim), meta.cos, meta.sin)
-                return q, k, v
-            q, k = q.contiguous(), k.contiguous()
-            return rotary_qk_in_place(q, meta.cos, meta.sin), rotary_qk_in_place(k, meta.cos, meta.sin), v.contiguous()
+        if triton:   # strided: q and k are adjacent in each row, both rotated in one launch
+            if not strided:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            rotary_q_and_k_in_place(q, k, meta.cos, meta.sin)
+            return q, k, v
         if strided:
             return rotary_in_place(q, meta.cos, meta.sin), rotary_in_place(k, meta.cos, meta.sin), v
         return rotary_out_of_place(q, meta.cos, meta.sin), rotary_out_of_place(k, meta.cos, meta.sin), v.contiguous()
