@@ -112,15 +112,15 @@ class MetadataBuilder:
             cu.append(cu[-1] + n)
         n_tok = cu[-1]
         tables = [self._per_image_tables(h, w) for t, h, w in grids for _ in range(t)]
+        pos, cos, sin, order = (torch.cat([tb[i] for tb in tables]) if len(tables) > 1 else tables[0][i]
+                                for i in range(4))
         # merge permutation, host side: each frame's cached (bh, bw, i, j) order, shifted by the
         # frame's first token (a few vectorised ops instead of several per image)
         cu_t = torch.tensor(cu, dtype=torch.int64)
-        perm = (torch.cat([tb[3] for tb in tables]) if len(tables) > 1 else tables[0][3]) + \
-            torch.repeat_interleave(cu_t[:-1], torch.tensor(seq_lens))
+        perm = order + torch.repeat_interleave(cu_t[:-1], torch.tensor(seq_lens))
         packed = self._upload(torch.cat([cu_t, perm]))
         cu_d = packed[:len(cu)].to(torch.int32)
         merge_index = packed[len(cu):]
-        pos, cos, sin = (torch.cat([tb[i] for tb in tables]) if len(tables) > 1 else tables[0][i] for i in range(3))
         meta = VisionMetadata(
             num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_d, max_seqlen=max(seq_lens),
             cos=cos, sin=sin, pos_embed=pos, merge_index=merge_index,
