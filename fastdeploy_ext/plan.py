@@ -334,6 +334,7 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     if request.fused_layers == "on" and comp.value:
         raise PlanError("--fused-layers on and --compile-layers on are exclusive: both replace the same "
                         "non-attention ops of each layer")
+    # the fused passes are Triton kernels: usable exactly where the Triton attention kernel is
     triton_ok = available.get("triton_varlen", (False, "triton_varlen not listed"))
     if request.fused_layers == "off":
         fused = Decision(False, "requested")

@@ -128,7 +128,7 @@ class EncoderLayer(nn.Module):
         """x: residual stream, h: LayerNorm1(x) (made by the previous fused pass). Updates x in
         place and returns (x, next_norm(x)): the GEMMs run without their bias, which rides along
         in the fused residual+LayerNorm pass; fc1's bias and GELU are the GEMM's epilogue."""
-        attn = self.attention(F.linear(h, self.qkv.weight, self.qkv.bias), meta, ex)
+        attn = self.attention(self.qkv(h), meta, ex)
         x, h = add_layer_norm(x, torch.mm(attn, self.out_proj.weight.t()), self.out_proj.bias,
                               self.layer_norm2.weight, self.layer_norm2.bias, self.layer_norm2.eps, out=x)
         m = linear_gelu(h, self.fc1.weight, self.fc1.bias, self.gelu_approx)
