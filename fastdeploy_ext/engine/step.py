@@ -1,0 +1,53 @@
+"""The contract between the scheduler (engine/) and the model runner: what one step runs.
+
+The scheduler decides which sequences run and which KV blocks they own; the runner turns a
+StepBatch into next-token logits. Everything here is host data (Python ints, host tensors), so
+building a step never touches the device and never syncs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step."""
+    seq_id: int
+    token_ids: list[int]                 # prefill: this chunk's prompt tokens; decode: [last token]
+    start_pos: int                       # tokens already in this sequence's KV cache (KV slots
+                                         # [start_pos, start_pos + len(token_ids)) are written now)
+    block_table: list[int]               # the sequence's physical KV blocks, in order, covering
+                                         # start_pos + len(token_ids) tokens
+    rope_positions: torch.Tensor | None  # prefill: int64 [3, len(token_ids)] mrope positions (host);
+                                         # decode: None (position = start_pos + rope_delta, all axes)
+    rope_delta: int = 0                  # max mrope position + 1 - prompt length (transformers' rope_deltas)
+    image_embeds: torch.Tensor | None = None  # [k, text_hidden] rows for the image-placeholder tokens
+                                         # among token_ids, in order (device or host; runner moves them)
+    need_logits: bool = True             # False for a prefill chunk that is not the prompt's last
+
+
+@dataclass
+class StepBatch:
+    is_prefill: bool                     # a step is all-prefill or all-decode (nano-vllm's shape)
+    seqs: list[SeqStep] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one KV block costs on this runner (the engine sizes its pool from it)."""
+    block_size: int                      # tokens per block (from the capability row)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
