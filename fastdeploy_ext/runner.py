@@ -24,6 +24,29 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "fastdeploy_ext.backends"
 AUTO_ORDER = ("cuda", "metax", "cpu_amx")   # --device auto: best present first
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MODEL_FORMATS = ("auto", "torch", "paddle")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where load_model reads weights from: a model directory, or ``load_format="dummy"``
+    (random weights from the built-in 0.9B config, no directory)."""
+    model_dir: str | None
+    load_format: str = "auto"
+    model_format: str = "auto"
+
+    def __post_init__(self):
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.model_format not in MODEL_FORMATS:
+            raise ValueError(f"model_format must be one of {', '.join(MODEL_FORMATS)}, got {self.model_format!r}")
+        if self.load_format != "dummy" and not self.model_dir:
+            raise ValueError("a model directory is needed unless load_format is 'dummy'")
+
+    def load_into(self, runner: "DeviceRunner"):
+        """runner.load_model with these settings; returns its LoadReport."""
+        return runner.load_model(self.model_dir, load_format=self.load_format, model_format=self.model_format)
 
 
 @dataclass

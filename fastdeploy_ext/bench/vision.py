@@ -5,6 +5,7 @@ Prints ms per batch, speed-up over the reference (ref ms / ours ms), peak memory
 each variant's output is to the reference (cosine). Nothing here asserts a time."""
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import logging
@@ -14,7 +15,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..plan import PlanError
+from ..plan import PlanError, PlanRequest
+from ..runner import ModelSource, choose_device
 from .timing import median_ms
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,40 @@ VARIANTS = (
 )
 
 
+class BenchError(ValueError):
+    """A benchmark request that cannot run (unknown workload or variant); the message says why."""
+
+
+@dataclass(frozen=True)
+class VisionBenchOptions:
+    workloads: tuple[str, ...] = ("page", "blocks16", "block8x40", "small64")
+    variants: str = "all"              # comma list of Variant names, or "all"
+    iters: int = 10
+    warmup: int = 3
+    reference: bool = True             # time the transformers reference too
+    json_out: str | None = None
+    profile: int = 0                   # > 0: profile one call per workload, print the top kernels
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """bench vision's own flags (the shared model/device/plan flags come from the CLI)."""
+    g = p.add_argument_group("bench vision")
+    g.add_argument("--workloads", default=",".join(VisionBenchOptions.workloads),
+                   help=f"comma list of {', '.join(WORKLOADS)}")
+    g.add_argument("--variants", default="all", help="comma list of plan variants or 'all'")
+    g.add_argument("--iters", type=int, default=VisionBenchOptions.iters)
+    g.add_argument("--warmup", type=int, default=VisionBenchOptions.warmup)
+    g.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
+    g.add_argument("--json-out", default=None, help="write results as JSON here")
+    g.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="also profile one call per workload and print the TOP most expensive kernels")
+
+
+def options_from_args(ns: argparse.Namespace) -> VisionBenchOptions:
+    return VisionBenchOptions(tuple(w.strip() for w in ns.workloads.split(",") if w.strip()), ns.variants,
+                              ns.iters, ns.warmup, not ns.no_reference, ns.json_out, ns.profile)
+
+
 class Timer:
     """Median wall time of fn: CUDA events on a GPU, perf_counter elsewhere."""
 
@@ -81,22 +117,17 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
-def run_vision_bench(args) -> int:
-    from ..entrypoints.cli import CliError, check_model_args, request_from_args
-    from ..runner import choose_device
-
-    if not args.model:
-        args.load_format = "dummy"      # the built-in 0.9B config with random weights
-    check_model_args(args)
-    base = request_from_args(args)
-    cls, probe, why = choose_device(base.device)
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOptions) -> int:
+    """Every variant of VARIANTS (or those opts.variants names) on opts.workloads; ``base``: the
+    user's plan flags, which override the variants' where they are not "auto"."""
+    workloads = list(opts.workloads)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
-        raise CliError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
-    variants = VARIANTS if args.variants == "all" else tuple(v for v in VARIANTS if v.name in args.variants.split(","))
+        raise BenchError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+    variants = VARIANTS if opts.variants == "all" else tuple(v for v in VARIANTS if v.name in opts.variants.split(","))
     if not variants:
-        raise CliError(f"no variant matches {args.variants!r}; known: {', '.join(v.name for v in VARIANTS)}")
+        raise BenchError(f"no variant matches {opts.variants!r}; known: {', '.join(v.name for v in VARIANTS)}")
+    cls, probe, why = choose_device(base.device)
 
     results: list[dict] = []
     reference_out: dict[str, torch.Tensor] = {}
@@ -116,16 +147,16 @@ def run_vision_bench(args) -> int:
         except PlanError as e:
             print(f"variant {v.name}: skipped on this device: {e}")
             continue
-        runner.load_model(args.model, load_format=args.load_format, model_format=args.model_format)
+        source.load_into(runner)
         device = runner.device
-        timer = timer or Timer(device, args.warmup, args.iters)
+        timer = timer or Timer(device, opts.warmup, opts.iters)
         report = runner.capture_graphs()
         print(f"\n== {v.name}: attention={runner.plan.attention.value} qkv={runner.plan.qkv_layout.value} "
               f"grid={runner.plan.grid_thw.value} compile={runner.plan.compile_layers.value} "
               f"fused={runner.plan.fused_layers.value} "
               f"graphs={report.captured} ({report.capture_seconds:.1f}s, {report.graph_memory_bytes / 2**20:.0f} MiB)"
               f"{' [EMULATED]' if runner.plan.emulated else ''}")
-        if not args.no_reference and not ref_ms:
+        if opts.reference and not ref_ms:
             ref = _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms)
             results += ref
         for w in workloads:
@@ -143,8 +174,8 @@ def run_vision_bench(args) -> int:
                    "emulated": runner.plan.emulated}
             if runner.graphs is not None:
                 row["graph_stats"] = {"hits": runner.graphs.stats.hits, "fallbacks": runner.graphs.stats.fallbacks}
-            if args.profile:
-                row["profile"] = profile_kernels(encode, device, args.profile)
+            if opts.profile:
+                row["profile"] = profile_kernels(encode, device, opts.profile)
             results.append(row)
             sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
             pk = f"peak {peak:6.2f} GiB" if peak is not None else ""
@@ -158,8 +189,8 @@ def run_vision_bench(args) -> int:
             torch.cuda.empty_cache()
 
     _print_table(results, workloads)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    if opts.json_out:
+        with open(opts.json_out, "w") as f:
             json.dump({"device": str(probe.summary()), "results": results}, f, indent=1)
     return 0
 

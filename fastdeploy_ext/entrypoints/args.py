@@ -1,0 +1,117 @@
+"""The command line's shared flags, defined once for every subcommand (info, encode, bench,
+generate, serve) and turned into typed values in one place.
+
+The pattern, for whoever adds a concern (the engine's scheduler flags, the server's host/port):
+
+* ``add_<concern>_args(parser) -> argument group``: defines that concern's flags, nothing else;
+* ``<concern>_from_args(ns) -> typed dataclass``: validates and converts them, raising
+  :class:`CliError` (one line, exit status 2) for a bad value;
+* a subcommand's parser comes from :func:`command_parser`; it calls the ``add_*`` functions it needs, then the matching ``*_from_args``;
+  nothing below ``entrypoints/`` reads an argparse namespace (benchmarks, the engine and the
+  server take the dataclasses).
+
+The flags of DESIGN.md section 5 keep their names and meaning (tests outside this repository
+rely on them); more flags may be added. Unknown flags are argparse usage errors (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..plan import DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, GraphOptimizationConfig, PlanRequest
+from ..runner import LOAD_FORMATS, MODEL_FORMATS, ModelSource
+
+log = logging.getLogger("fastdeploy_ext")
+
+DEVICES = ("auto", "cuda", "metax", "cpu_amx", "cpu")
+
+Group = argparse._ArgumentGroup   # what parser.add_argument_group returns (argparse has no public name)
+
+
+class CliError(Exception):
+    """An error meant for the user: printed as one line, exit status 2, no traceback."""
+
+
+# ------------------------------------------------------------------ parsers
+def root_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+
+
+def command_parser(subparsers, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand's parser. Flags must be spelled in full (no prefix matching): adding a flag
+    later never changes what an existing command line means, and a misspelt or removed flag is
+    an error (exit status 2) instead of silently matching another."""
+    return subparsers.add_parser(name, help=help, allow_abbrev=False)
+
+
+# ------------------------------------------------------------------ model source
+def add_model_args(p: argparse.ArgumentParser) -> Group:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="local model directory (config.json, *.safetensors)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights from the built-in 0.9B config (no --model needed)")
+    g.add_argument("--model-format", default="auto", choices=MODEL_FORMATS,
+                   help="weight layout: torch Linear [out, in] or Paddle [in, out]; auto decides from shapes")
+    return g
+
+
+def model_source_from_args(ns: argparse.Namespace, *, default_dummy: bool = False) -> ModelSource:
+    """--model / --load-format / --model-format. ``default_dummy``: no --model means random
+    weights (benchmarks) instead of an error."""
+    load_format = ns.load_format
+    if default_dummy and not ns.model and load_format == "auto":
+        load_format = "dummy"
+    if load_format == "dummy":
+        if ns.model:
+            log.info("--load-format dummy: ignoring --model %s", ns.model)
+        return ModelSource(None, "dummy", ns.model_format)
+    if not ns.model:
+        raise CliError("--model DIR is required (or --load-format dummy for random weights)")
+    return ModelSource(ns.model, load_format, ns.model_format)
+
+
+# ------------------------------------------------------------------ device and plan
+def add_device_args(p: argparse.ArgumentParser) -> Group:
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} or an installed vendor backend")
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    return g
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> Group:
+    """The run-plan overrides: every one defaults to `auto`, the capability row's choice."""
+    g = p.add_argument_group("run plan (auto = the device's capability row decides; see `info`)")
+    g.add_argument("--attention-backend", default="auto",
+                   help="force an attention backend of the device's capability row (see `info`)")
+    g.add_argument("--qkv-layout", default="auto", choices=QKV_LAYOUTS)
+    g.add_argument("--grid-thw", default="auto", choices=GRID_SOURCES,
+                   help="where batch metadata is derived: host ints (no syncs) or device tensors (reference)")
+    g.add_argument("--compile-layers", default="auto", choices=SWITCHES,
+                   help="torch.compile the non-attention halves of each encoder layer")
+    g.add_argument("--fused-layers", default="auto", choices=SWITCHES,
+                   help="Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM (CUDA)")
+    g.add_argument("--graph-optimization-config", default=None,
+                   help='JSON, e.g. \'{"use_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
+                        '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'')
+    return g
+
+
+def add_runner_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
+    """The flags every command that builds a runner shares: model (optional), device, plan."""
+    if model:
+        add_model_args(p)
+    add_device_args(p)
+    add_plan_args(p)
+
+
+def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) -> PlanRequest:
+    """--device, --dtype and the plan flags -> PlanRequest (validated: a bad value is a CliError)."""
+    try:
+        gc = GraphOptimizationConfig.from_json(ns.graph_optimization_config)
+        request = PlanRequest(device=device or ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
+                              qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw, compile_layers=ns.compile_layers,
+                              fused_layers=ns.fused_layers, graph_config=gc)
+        request.validate()
+    except ValueError as e:      # PlanError is a ValueError
+        raise CliError(str(e)) from None
+    return request
