@@ -7,6 +7,7 @@ never copies it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import ClassVar
@@ -14,13 +15,13 @@ from typing import ClassVar
 import torch
 
 from . import envs
-from .models.paddleocr_vl.loader import load_vision
+from .models.paddleocr_vl.loader import build_vision_model, load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
 from .ops.attention import ATTENTION_BACKENDS, get_backend
 from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, load_table, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
-from .sync_guard import SyncRecorder
+from .sync_guard import HostSyncGuard
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,27 @@ class TorchRunner(DeviceRunner):
         raise NotImplementedError
 
     def sync_guard(self):
-        """Context that proves the host path makes no device->host sync. Default: a recorder of
-        explicit sync calls (misses implicit syncs, which the code avoids by construction)."""
-        return SyncRecorder(raise_on_sync=True)
+        """Context that fails on any device->host sync of this runner's device: data-dependent
+        ops, read-backs and transfers (sync_guard.HostSyncGuard). On a host device nothing can be
+        seen, so the proof runs on ``sync_check_runner()`` (device tensors on ``meta``)."""
+        if self.device.type == "cpu":
+            raise RuntimeError(f"{self.name}: on the host a device->host transfer moves nothing and cannot be "
+                               "seen; guard runner.sync_check_runner() instead (its device tensors live on meta)")
+        return HostSyncGuard(watch={self.device.type})
+
+    def sync_check_runner(self) -> "TorchRunner":
+        """The runner the no-sync proof runs on. On an accelerator: this runner. On a host device:
+        a twin with the same class, plan and model config whose device-side tensors (weights,
+        metadata tables, activations) live on ``meta``, so that a read-back or a transfer to the
+        host — invisible between two CPU tensors — is an op on a meta tensor the guard sees."""
+        if self.device.type != "cpu":
+            return self
+        self._require_model()
+        twin = type(self)(dataclasses.replace(self.plan, device="meta"), self.probe_result, self.row)
+        twin.cfg, twin.load_report = self.cfg, self.load_report
+        twin.model = build_vision_model(self.cfg).to(self.dtype).eval()
+        twin._init_metadata()
+        return twin
 
     def memory_stats(self) -> dict:
         import resource
@@ -107,8 +126,17 @@ class TorchRunner(DeviceRunner):
         self.model, self.cfg, self.load_report = load_vision(
             None if load_format == "dummy" else model_dir, dtype=self.dtype, device=self.device,
             model_format=model_format)
+        self._check_head_dim(self.cfg.vision.head_dim)
+        self._init_metadata()
+        if self.plan.compile_layers.value:
+            self._compile_layers()
+        log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
+                 self.dtype, self.device)
+        return self.load_report
+
+    def _init_metadata(self) -> None:
+        """The metadata builder of the loaded model on this runner's device."""
         vc = self.cfg.vision
-        self._check_head_dim(vc.head_dim)
         self.meta_builder = MetadataBuilder(
             head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
             pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device,
@@ -119,11 +147,6 @@ class TorchRunner(DeviceRunner):
             def add_block_table(meta: VisionMetadata, upload):
                 meta.extras["block_table"] = upload(build_block_table(meta.seq_lens))
             self.meta_builder.extra_builders.append(add_block_table)
-        if self.plan.compile_layers.value:
-            self._compile_layers()
-        log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
-                 self.dtype, self.device)
-        return self.load_report
 
     def _check_head_dim(self, head_dim: int) -> None:
         """The plan is resolved before the model is read, for the released head_dim (72); a

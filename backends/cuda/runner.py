@@ -2,13 +2,11 @@
 path sync-free with torch.cuda.set_sync_debug_mode('error'), and captures encoder graphs."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from fastdeploy_ext.platforms import probe_nvidia
 from fastdeploy_ext.plan import CapabilityRow
-from fastdeploy_ext.sync_guard import SyncRecorder, cuda_sync_guard
+from fastdeploy_ext.sync_guard import cuda_host_sync_guard
 from fastdeploy_ext.torch_runner import TorchRunner
 
 
@@ -18,14 +16,6 @@ def cuda_memory_stats(device: torch.device) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated(device),
             "reserved_bytes": torch.cuda.memory_reserved(device), "free_bytes": free, "total_bytes": total,
             "kind": "torch caching allocator"}
-
-
-@contextlib.contextmanager
-def cuda_host_sync_guard():
-    """set_sync_debug_mode('error') catches every synchronising CUDA call; the recorder also
-    names explicit read-backs, so a failure says which op did it."""
-    with cuda_sync_guard(), SyncRecorder(watch={"cuda"}, raise_on_sync=True):
-        yield
 
 
 class CudaRunner(TorchRunner):
@@ -49,6 +39,8 @@ class CudaRunner(TorchRunner):
         return torch.device("cuda", 0)
 
     def sync_guard(self):
+        """set_sync_debug_mode('error') (every synchronising CUDA call) plus the op-level guard,
+        which names the op when it is one of the known ways to sync."""
         return cuda_host_sync_guard()
 
     def memory_stats(self) -> dict:

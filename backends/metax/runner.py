@@ -15,9 +15,10 @@ import torch
 
 from fastdeploy_ext.platforms import probe_metax
 from fastdeploy_ext.plan import CapabilityRow
+from fastdeploy_ext.sync_guard import cuda_host_sync_guard
 from fastdeploy_ext.torch_runner import TorchRunner
 
-from ..cuda.runner import cuda_host_sync_guard, cuda_memory_stats
+from ..cuda.runner import cuda_memory_stats
 
 
 class MetaxRunner(TorchRunner):

@@ -1,12 +1,18 @@
 """Zero host syncs on the host-metadata path: encoder + projector, metadata included.
 
-On CUDA the proof is torch.cuda.set_sync_debug_mode('error'); elsewhere the recorder of explicit
-read-backs. The guard itself is checked to fire on a deliberate sync, so a pass means something."""
+The proof is the backend's ``sync_guard()`` around ``encode_images`` on its
+``sync_check_runner()`` (the runner itself on an accelerator; on a host device a twin whose
+device tensors live on ``meta``, where a transfer to the host is visible). The guard fails on
+data-dependent ops, read-backs and device->host transfers; on CUDA it adds
+``set_sync_debug_mode('error')``. Every way to sync listed in DESIGN.md section 6 is injected
+into the host metadata builder below and must make the guard fire, so a pass means something.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ..models.paddleocr_vl.metadata import MetadataBuilder, VisionMetadata
 from ..sync_guard import HostSyncError
 
 
@@ -15,33 +21,118 @@ def runner(tiny_models, make_runner):
     return make_runner(tiny_models["torch"], grid_thw="host")
 
 
-def test_guard_detects_a_deliberate_sync(runner):
-    x = torch.ones(4, device=runner.device)
-    with pytest.raises((HostSyncError, RuntimeError)):
-        with runner.sync_guard():
-            x.sum().item()
+@pytest.fixture(scope="module")
+def checked(runner):
+    return runner.sync_check_runner()
 
 
-def test_host_path_makes_no_sync(runner, tiny_models, batch_for):
+def test_checked_runner_keeps_device_tensors_off_the_host(runner, checked):
+    """On a host device the checked twin must really hold its device tensors on meta (else a
+    transfer to the host would be invisible and the proof empty)."""
+    assert checked.plan.row == runner.plan.row and type(checked) is type(runner)
+    if runner.device.type == "cpu":
+        assert checked.device.type == "meta"
+        assert all(p.device.type == "meta" for p in checked.model.parameters())
+        assert checked.meta_builder.pos_table.device.type == "meta"
+        with pytest.raises(RuntimeError, match="sync_check_runner"):
+            runner.sync_guard()
+    else:
+        assert checked is runner
+
+
+def test_host_path_makes_no_sync(checked, tiny_models, batch_for):
     batch = batch_for(tiny_models["torch"])
-    runner.encode_images(batch)                 # warm: kernels compiled, caches filled
-    with runner.sync_guard():
-        feats = runner.encode_images(batch)
-    assert len(feats) == len(batch.grid_thw)
+    checked.encode_images(batch)                 # warm: kernels compiled, caches filled
+    with checked.sync_guard():
+        feats = checked.encode_images(batch)
+    assert [f.shape[0] for f in feats] == [t * h * w // 4 for t, h, w in batch.grid_thw]
+    assert all(f.device.type == checked.device.type for f in feats)
 
 
-def test_host_path_cache_miss_makes_no_sync(runner, tiny_models, batch_for):
+def test_host_path_cache_miss_makes_no_sync(checked, tiny_models, batch_for):
     """A new (h, w) uploads its tables from pinned memory without a sync too."""
     batch = batch_for(tiny_models["torch"], 1)
-    runner.meta_builder.cache = type(runner.meta_builder.cache)(runner.meta_builder.cache.capacity)
-    with runner.sync_guard():
-        runner.encode_images(batch)
-    assert runner.meta_builder.cache.stats.misses >= 1
+    checked.meta_builder.cache = type(checked.meta_builder.cache)(checked.meta_builder.cache.capacity)
+    with checked.sync_guard():
+        checked.encode_images(batch)
+    assert checked.meta_builder.cache.stats.misses >= 1
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+# Each way to sync of DESIGN.md section 6, applied to the device-side tensors the host builder
+# just made (cu_seqlens int32 [segments+1], merge_index int64 [N], cos fp32 [N, D]).
+MUTATIONS = {
+    "nonzero": lambda m: torch.nonzero(m.merge_index),
+    "argwhere": lambda m: torch.argwhere(m.merge_index),
+    "where_one_argument": lambda m: torch.where(m.merge_index > 0),
+    "boolean_mask_indexing": lambda m: m.merge_index[m.merge_index > 0],
+    "boolean_mask_assignment": lambda m: m.merge_index.clone().__setitem__(m.merge_index < 0, 0),
+    "masked_select": lambda m: torch.masked_select(m.merge_index, m.merge_index > 0),
+    "repeat_interleave_tensor_repeats": lambda m: torch.repeat_interleave(
+        m.cu_seqlens[:-1].long(), m.cu_seqlens.diff().long()),
+    "repeat_interleave_repeats_only": lambda m: torch.repeat_interleave(m.cu_seqlens.diff().long()),
+    "unique": lambda m: torch.unique(m.merge_index),
+    "unique_consecutive": lambda m: torch.unique_consecutive(m.merge_index),
+    "bincount": lambda m: torch.bincount(m.merge_index),
+    "one_hot_without_num_classes": lambda m: torch.nn.functional.one_hot(m.merge_index),
+    "size_from_tensor": lambda m: torch.zeros(m.cu_seqlens[-1], device=m.cu_seqlens.device),
+    "int": lambda m: int(m.cu_seqlens[-1]),
+    "bool": lambda m: bool(m.cu_seqlens[-1] > 0),
+    "item": lambda m: m.cu_seqlens[-1].item(),
+    "tolist": lambda m: m.cu_seqlens.tolist(),
+    "numpy": lambda m: m.cu_seqlens.numpy(),
+    "to_cpu": lambda m: m.cu_seqlens.to("cpu"),
+    "cpu": lambda m: m.cu_seqlens.cpu(),
+    "copy_into_host_tensor": lambda m: _host_buffer(m.cu_seqlens).copy_(m.cu_seqlens),
+    "torch_equal": lambda m: torch.equal(m.cu_seqlens, m.cu_seqlens),
+    "allclose": lambda m: torch.allclose(m.cos, m.cos),
+}
+
+
+def _inject(monkeypatch, mutation) -> None:
+    original = MetadataBuilder.build_host
+
+    def build_host(self, grids) -> VisionMetadata:
+        meta = original(self, grids)
+        mutation(meta)
+        return meta
+    monkeypatch.setattr(MetadataBuilder, "build_host", build_host)
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_guard_fires_on_each_sync_injected_into_the_host_builder(name, checked, tiny_models, batch_for,
+                                                                  monkeypatch):
+    batch = batch_for(tiny_models["torch"], 2)
+    _inject(monkeypatch, MUTATIONS[name])
+    with pytest.raises(HostSyncError, match="host sync"):
+        with checked.sync_guard():
+            checked.encode_images(batch)
 
 
 def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner, batch_for):
     """The reference (device metadata) path reads sizes back; the guard must see it."""
-    runner = make_runner(tiny_models["torch"], grid_thw="device")
-    with pytest.raises((HostSyncError, RuntimeError)):
-        with runner.sync_guard():
-            runner.encode_images(batch_for(tiny_models["torch"], 1))
+    checked = make_runner(tiny_models["torch"], grid_thw="device").sync_check_runner()
+    with pytest.raises(HostSyncError, match="host sync"):
+        with checked.sync_guard():
+            checked.encode_images(batch_for(tiny_models["torch"], 1))
+
+
+@pytest.mark.fdx_device("cuda")
+@pytest.mark.parametrize("name", ["nonzero", "boolean_mask_indexing", "item", "to_cpu"])
+def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch_for, monkeypatch):
+    """CUDA only: torch.cuda.set_sync_debug_mode('error') alone — the op-level guard not
+    installed — fails on an implicit sync injected into the host builder, and passes the
+    unmodified path: the CUDA proof stands without the op list."""
+    from ..sync_guard import cuda_sync_guard
+    batch = batch_for(tiny_models["torch"], 2)
+    checked.encode_images(batch)
+    with cuda_sync_guard():
+        checked.encode_images(batch)
+    _inject(monkeypatch, MUTATIONS[name])
+    with pytest.raises(RuntimeError, match="synchroniz") as info:
+        with cuda_sync_guard():
+            checked.encode_images(batch)
+    assert not isinstance(info.value, HostSyncError)
