@@ -37,4 +37,21 @@ FD_MAX_IMAGE_PIXELS = EnvVar("FD_MAX_IMAGE_PIXELS", str(64 * 1024 * 1024),
 FD_POS_EMBED_CACHE_SIZE = EnvVar("FD_POS_EMBED_CACHE_SIZE", "64",
                                  "entries of the per-(h, w) position-embedding/rotary LFU cache", int)
 
-ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE)
+
+
+def _bool01(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(raw)
+
+
+# FastDeploy forces this on for PaddleOCR-VL; the engine logs the value it runs with.
+FD_ENABLE_MAX_PREFILL = EnvVar("FD_ENABLE_MAX_PREFILL", "1",
+                               "1: admit up to max_num_seqs requests per step, whole prompts, one packed vision "
+                               "pass per step; 0: per-request image encoding and chunked prefill under "
+                               "max_num_batched_tokens", _bool01)
+
+ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE, FD_ENABLE_MAX_PREFILL)

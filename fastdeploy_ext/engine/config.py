@@ -1,0 +1,85 @@
+"""EngineConfig: everything the engine needs, built from the shared flags (entrypoints/args.py)
+or by the offline LLM API; every derived choice is a Decision with its reason."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from .. import envs
+from ..plan import Decision, PlanRequest
+from .errors import InvalidRequest
+from .scheduler import SchedulerConfig
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'4GiB', '512MB', '1e9', 1073741824 -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 4GiB, 512MB, 1073741824)")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or not unit else 1000
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+def parse_limit_mm(text: str | dict | None) -> dict[str, int]:
+    """--limit-mm-per-prompt '{"image": 2}'."""
+    if text is None:
+        return {"image": 1}
+    d = json.loads(text) if isinstance(text, str) else dict(text)
+    if not isinstance(d, dict) or set(d) - {"image"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values()):
+        raise ValueError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 1}}', got {text!r}")
+    return {"image": d.get("image", 1)}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    load_format: str = "auto"
+    model_format: str = "auto"
+    plan: PlanRequest = field(default_factory=PlanRequest)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 16384
+    max_encoder_patches: int = 65536           # one step's packed vision pass (~6 1080p pages)
+    limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 1})
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None         # bytes of KV pool on devices without a free-memory
+                                               # query (CPU); default 1 GiB
+    num_kv_blocks: int | None = None           # exact pool size (tests, debugging): overrides both
+    enable_max_prefill: bool | None = None     # None: FD_ENABLE_MAX_PREFILL
+    preprocess_workers: int = 4
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_encoder_patches",
+                     "preprocess_workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        parse_limit_mm(self.limit_mm_per_prompt)
+
+    def max_prefill(self) -> Decision:
+        if self.enable_max_prefill is not None:
+            return Decision(bool(self.enable_max_prefill), "set in the engine config")
+        value = envs.FD_ENABLE_MAX_PREFILL.get()
+        how = "set" if envs.FD_ENABLE_MAX_PREFILL.name in __import__("os").environ else "default for PaddleOCR-VL"
+        return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how})")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, max_encoder_patches=self.max_encoder_patches,
+                               enable_max_prefill=bool(self.max_prefill().value))
+
+
+__all__ = ["EngineConfig", "InvalidRequest", "parse_bytes", "parse_limit_mm"]

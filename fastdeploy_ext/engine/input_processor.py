@@ -1,0 +1,183 @@
+"""Request preprocessing, run in a worker pool off the step loop: OpenAI-style messages or a raw
+prompt -> chat template -> token ids with the image placeholders expanded, mrope positions and
+rope_delta; images decoded, resized and patchified with their host grid_thw.
+
+Everything that can be wrong with a request is found here and raised as InvalidRequest, before
+the request is queued.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .errors import InvalidRequest
+from .sequence import ImageInput, ProcessedPrompt
+
+
+class PromptBuilder(Protocol):
+    """The model side of prompt building (models/paddleocr_vl/, helper textmodel)."""
+    image_token_id: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    tokenizer: Any
+
+    def render(self, messages: list[dict]) -> str:
+        """Chat template over messages whose content parts are {"type": "text"} / {"type": "image"}."""
+
+    def build(self, text: str, grids: list[tuple[int, int, int]]) -> tuple[list[int], torch.Tensor, int]:
+        """Token ids (placeholders expanded to h*w/4 per image), mrope positions [3, n], rope_delta."""
+
+
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
+
+
+def decode_data_url(url: str) -> bytes:
+    head, _, data = url.partition(",")
+    if not head.startswith("data:") or ";base64" not in head:
+        raise InvalidRequest(f"image data URL must be 'data:image/...;base64,...', got {url[:40]!r}...")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("image data URL: invalid base64 payload") from None
+
+
+def image_source(obj: Any) -> Any:
+    """A message's image (a content part's value, or a bare object) -> what the image processor
+    reads: a path, bytes or a PIL image."""
+    if isinstance(obj, dict):
+        obj = obj.get("url", obj.get("image_url", obj.get("image")))
+    if isinstance(obj, str):
+        if obj.startswith("data:"):
+            return decode_data_url(obj)
+        if obj.startswith(("http://", "https://")):
+            raise InvalidRequest(f"image URL {obj[:60]!r}: remote images are not fetched; send the bytes as a "
+                                 "data URL or a local path")
+        if obj.startswith("file://"):
+            obj = obj[len("file://"):]
+        return obj
+    if isinstance(obj, (bytes, bytearray, memoryview, os.PathLike)) or hasattr(obj, "convert"):
+        return obj
+    raise InvalidRequest(f"unsupported image value of type {type(obj).__name__}: use a path, bytes, a data URL "
+                         "or a PIL image")
+
+
+def split_messages(messages: Any) -> tuple[list[dict], list[Any]]:
+    """OpenAI-style messages -> (messages with image parts as {"type": "image"}, image sources)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    out, images = [], []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise InvalidRequest(f"messages[{i}] must be a dict with 'role' and 'content'")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            out.append({"role": m["role"], "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(image_source(part.get(kind, part.get("image_url", part.get("url")))))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidRequest(f"messages[{i}].content[{j}]: unsupported part type {kind!r} "
+                                     f"(text, {', '.join(IMAGE_PART_TYPES)})")
+        out.append({"role": m["role"], "content": parts})
+    return out, images
+
+
+@dataclass
+class InputLimits:
+    max_images: int
+    max_encoder_patches: int
+    max_model_len: int
+
+
+class InputProcessor:
+    def __init__(self, builder: PromptBuilder, image_processor, limits: InputLimits):
+        self.builder = builder
+        self.image_processor = image_processor
+        self.limits = limits
+
+    def process(self, prompt: dict) -> ProcessedPrompt:
+        """prompt: {"messages": [...]} or {"prompt": str, "images" | "multi_modal_data": ...}."""
+        t0 = time.perf_counter()
+        if not isinstance(prompt, dict):
+            raise InvalidRequest(f"a prompt is a dict with 'messages' or 'prompt', got {type(prompt).__name__}")
+        if prompt.get("messages") is not None:
+            messages, images = split_messages(prompt["messages"])
+            text = self.builder.render(messages)
+        elif isinstance(prompt.get("prompt"), str):
+            images = prompt.get("images")
+            mm = prompt.get("multi_modal_data") or {}
+            if images is None:
+                images = mm.get("image")
+            if images is None:
+                images = []
+            elif not isinstance(images, (list, tuple)):
+                images = [images]
+            images = [image_source(im) for im in images]
+            # a raw prompt without the chat template around its images is rendered as one user
+            # turn: [images..., text] (vLLM would refuse it; OCR users pass the task, e.g. "OCR:")
+            text = prompt["prompt"]
+            if images and "<|IMAGE_PLACEHOLDER|>" not in text:
+                text = self.builder.render([{"role": "user", "content": [{"type": "image"}] * len(images)
+                                             + [{"type": "text", "text": text}]}])
+        else:
+            raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
+        lim = self.limits
+        if len(images) > lim.max_images:
+            raise InvalidRequest(f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {lim.max_images}")
+        processed = []
+        for k, src in enumerate(images):
+            try:
+                processed.append(self.image_processor.preprocess(src))
+            except ValueError as e:       # ImageInputError names the source and the problem
+                raise InvalidRequest(f"image {k}: {e}") from None
+        for k, im in enumerate(processed):
+            if im.num_patches > lim.max_encoder_patches:
+                raise InvalidRequest(f"image {k} ({im.source}) has {im.num_patches} patches, above "
+                                     f"--max-encoder-patches {lim.max_encoder_patches}")
+        grids = [tuple(im.grid_thw) for im in processed]
+        try:
+            ids, positions, rope_delta = self.builder.build(text, grids)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if len(ids) >= lim.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; --max-model-len {lim.max_model_len} leaves no "
+                                 "room for output")
+        offsets = _image_offsets(ids, self.builder.image_token_id)
+        m2 = self.image_processor.cfg.merge_size ** 2
+        if len(offsets) != len(processed) or any(
+                n != im.num_patches // m2 for (_, n), im in zip(offsets, processed)):
+            raise InvalidRequest(f"the prompt has {len(offsets)} image placeholder runs for {len(processed)} images")
+        inputs = [ImageInput(im.pixel_values, tuple(im.grid_thw), off, n, im.source)
+                  for (off, n), im in zip(offsets, processed)]
+        out = ProcessedPrompt(list(ids), positions, int(rope_delta), inputs, text, time.perf_counter() - t0)
+        out.validate()
+        return out
+
+
+def _image_offsets(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of image-placeholder tokens."""
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == image_token_id:
+            j = i
+            while j < n and ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs

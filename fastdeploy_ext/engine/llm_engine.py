@@ -1,0 +1,338 @@
+"""The synchronous engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
+
+One step = schedule (prefill or decode batch) -> encode the step's images (max prefill: one
+packed vision pass for every request admitted in the step; chunked: per request, once) ->
+runner.execute(StepBatch) -> sample -> append tokens, check stops, free finished requests.
+Preprocessing runs in a worker pool (`submit`), so with requests queued the step loop only
+packs ready host tensors. The async server API (async_engine.py) and the offline LLM API
+(entrypoints/llm.py) both drive this class.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.sampler import SampleRequest, sample
+from ..plan import Decision
+from ..runner import ImageBatch
+from .block_manager import BlockManager
+from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from .errors import InvalidRequest
+from .input_processor import InputLimits, InputProcessor
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import FinishReason, ProcessedPrompt, Sequence
+from .step import SeqStep, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preprocessing: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float
+    block_size: int
+    num_steps: int
+    num_prefill_steps: int
+    num_decode_steps: int
+    num_preemptions: int
+    num_finished: int
+    num_aborted: int
+    prompt_tokens: int
+    generation_tokens: int
+    graph_hits: int
+    graph_fallbacks: int
+    preprocess_s: float            # summed over requests (worker pool time)
+    vision_s: float                # host time in vision passes
+    vision_passes: int
+    max_prefill: bool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner=None, input_processor: InputProcessor | None = None):
+        config.validate()
+        self.config = config
+        if runner is None:
+            runner = self._create_runner(config)
+        self.runner = runner
+        self.max_prefill = config.max_prefill()
+        log.info("max prefill: %s (%s)", self.max_prefill.value, self.max_prefill.reason)
+        spec = runner.kv_cache_spec()
+        num_blocks = self._size_kv_pool(spec)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks.value, spec.block_size,
+                 num_blocks.value * spec.block_size, num_blocks.value * spec.bytes_per_block / 2**20, num_blocks.reason)
+        runner.init_kv_cache(num_blocks.value)
+        self.kv_decision = num_blocks
+        self.block_manager = BlockManager(num_blocks.value, spec.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
+        self.input_processor = input_processor or self._create_input_processor(runner, config)
+        builder = self.input_processor.builder
+        self.eos_token_ids = tuple(builder.eos_token_ids)
+        self.vocab_size = builder.vocab_size
+        # The image placeholder is never sampled: re-fed after a preemption it would be taken
+        # for an image token (the runner scatters image rows at every placeholder).
+        self.never_sample = (builder.image_token_id,) if builder.image_token_id < builder.vocab_size else ()
+        self.output_processor = OutputProcessor(builder.tokenizer, config.max_model_len)
+        self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="fdx-preprocess")
+        self._seq_ids = itertools.count()
+        self._lock = threading.Lock()             # guards _ready / _pending (worker threads add)
+        self._ready: list[Sequence] = []
+        self._pending: dict[str, Future] = {}
+        self._sent: dict[int, int] = {}            # seq_id -> output tokens already reported
+        self._abort_pending: set[str] = set()
+        self._counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, num_finished=0, num_aborted=0,
+                              prompt_tokens=0, generation_tokens=0, preprocess_s=0.0, vision_s=0.0, vision_passes=0)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _create_runner(config: EngineConfig):
+        from ..runner import create_runner
+        runner = create_runner(config.plan)
+        runner.load_model(config.model, load_format=config.load_format, model_format=config.model_format,
+                          with_text=True)
+        return runner
+
+    @staticmethod
+    def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
+        from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+        from ..models.paddleocr_vl.prompt import prompt_builder_for
+        pcfg = PreprocessorConfig.from_model_dir(config.model) if config.model else PreprocessorConfig()
+        limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
+                             max_encoder_patches=config.max_encoder_patches, max_model_len=config.max_model_len)
+        return InputProcessor(prompt_builder_for(runner), ImageProcessor(pcfg), limits)
+
+    def _size_kv_pool(self, spec) -> Decision:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            blocks, reason = cfg.num_kv_blocks, "num_kv_blocks set explicitly"
+        else:
+            device = torch.device(getattr(self.runner, "device", "cpu"))
+            if device.type == "cuda" and cfg.kv_cache_memory is None:
+                free, total = torch.cuda.mem_get_info(device)
+                peak = self.runner.profile_peak_memory(cfg.max_num_batched_tokens, cfg.max_encoder_patches)
+                budget = int(free - (1 - cfg.gpu_memory_utilization) * total - peak)
+                reason = (f"free {free / 2**30:.2f} GiB - (1 - {cfg.gpu_memory_utilization}) x total "
+                          f"{total / 2**30:.2f} GiB - profiled step peak {peak / 2**30:.2f} GiB")
+            else:
+                budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+                reason = (f"--kv-cache-memory {budget / 2**30:.2f} GiB" + ("" if cfg.kv_cache_memory else
+                                                                           " (default on devices without a free-memory query)"))
+            blocks = max(budget, 0) // spec.bytes_per_block
+        need = -(-cfg.max_model_len // spec.block_size)
+        if blocks < need:
+            raise ValueError(f"the KV pool holds {blocks} blocks ({blocks * spec.block_size} tokens), fewer than one "
+                             f"sequence of --max-model-len {cfg.max_model_len} needs ({need} blocks, {reason}); "
+                             f"lower --max-model-len or give the cache more memory")
+        return Decision(int(blocks), reason)
+
+    # ------------------------------------------------------------------ requests
+    def process_request(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
+                        arrival: float | None = None) -> Sequence:
+        """Preprocess and validate (any thread): a ready Sequence, or InvalidRequest."""
+        arrival = time.time() if arrival is None else arrival
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        processed: ProcessedPrompt = self.input_processor.process(prompt)
+        room = self.config.max_model_len - len(processed.prompt_token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequest(f"max_tokens {params.max_tokens} + prompt {len(processed.prompt_token_ids)} tokens "
+                                 f"exceed --max-model-len {self.config.max_model_len}")
+        seq = Sequence(next(self._seq_ids), request_id, processed, params, params.max_tokens or room,
+                       self.eos_token_ids, arrival)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=getattr(self.runner, "device", "cpu")).manual_seed(params.seed)
+        return seq
+
+    def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
+        """Queue a ready sequence (thread-safe); it is scheduled from the next step on."""
+        seq.stream = stream
+        with self._lock:
+            self._ready.append(seq)
+
+    def add_request(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
+                    stream: bool = False) -> None:
+        """Synchronous preprocessing then queueing; InvalidRequest before anything is queued."""
+        self.add_sequence(self.process_request(request_id, prompt, params), stream)
+
+    def submit(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
+               stream: bool = False) -> Future:
+        """Preprocess in the worker pool, queue when ready. The future holds the Sequence or the
+        InvalidRequest; the request is never queued when it fails."""
+        arrival = time.time()
+
+        def work():
+            seq = self.process_request(request_id, prompt, params, arrival)
+            self.add_sequence(seq, stream)
+            return seq
+        fut = self.pool.submit(work)
+        with self._lock:
+            self._pending[request_id] = fut
+        fut.add_done_callback(lambda f: self._forget_pending(request_id, f))
+        return fut
+
+    def _forget_pending(self, request_id: str, fut: Future) -> None:
+        with self._lock:
+            if self._pending.get(request_id) is fut:
+                del self._pending[request_id]
+
+    def abort_request(self, request_id: str) -> None:
+        """Thread-safe: the request ends at the next step with finish_reason "abort" and its blocks
+        are freed."""
+        with self._lock:
+            self._abort_pending.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            busy = bool(self._ready or self._pending)
+        return busy or self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def _take_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            ready, self._ready = self._ready, []
+            aborts, self._abort_pending = self._abort_pending, set()
+        for seq in ready:
+            if seq.request_id in aborts:
+                aborts.discard(seq.request_id)
+                seq.finish_reason = FinishReason.ABORT
+                self._counters["num_aborted"] += 1
+                outputs.append(self.output_processor.make_output(seq, 0))
+                continue
+            self.scheduler.add(seq)
+            self._sent[seq.seq_id] = 0
+        for rid in aborts:
+            seq = self.scheduler.find(rid)
+            if seq is None:
+                # still preprocessing: abort again once it is queued
+                with self._lock:
+                    if rid in self._pending:
+                        self._abort_pending.add(rid)
+                continue
+            self.scheduler.finish(seq)
+            seq.finish_reason = FinishReason.ABORT
+            seq.metrics.finish = time.time()
+            self._counters["num_aborted"] += 1
+            outputs.append(self.output_processor.make_output(seq, self._sent.pop(seq.seq_id, 0)))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._take_inbox()
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return outputs
+        now = time.time()
+        for s in sched.scheduled:
+            if s.seq.metrics.first_scheduled is None:
+                s.seq.metrics.first_scheduled = now
+        batch = self._build_batch(sched)
+        logits = self.runner.execute(batch)
+        rows = [s for s in sched.scheduled if s.completes_prefill or not sched.is_prefill]
+        result = sample(logits, [self._sample_request(s.seq) for s in rows])
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens = s.end
+        c = self._counters
+        c["num_steps"] += 1
+        c["num_prefill_steps" if sched.is_prefill else "num_decode_steps"] += 1
+        now = time.time()
+        for s, tok, lp in zip(rows, result.token_ids, result.logprobs):
+            seq = s.seq
+            self.output_processor.append_token(seq, tok, lp, now)
+            c["generation_tokens"] += 1
+            finished = seq.finish_reason is not None
+            if finished:
+                seq.metrics.finish = now
+                self.scheduler.finish(seq)
+                c["num_finished"] += 1
+                c["prompt_tokens"] += seq.prompt_len
+                c["preprocess_s"] += seq.metrics.preprocess_s
+            if finished or seq.stream:
+                outputs.append(self.output_processor.make_output(seq, self._sent.get(seq.seq_id, 0)))
+                self._sent[seq.seq_id] = seq.num_output_tokens
+            if finished:
+                self._sent.pop(seq.seq_id, None)
+        return outputs
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        p = seq.params
+        banned = self.never_sample
+        if seq.num_output_tokens < p.min_tokens:
+            banned += tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids)))
+        return SampleRequest(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                             repetition_penalty=p.repetition_penalty,
+                             history=seq.token_ids if p.repetition_penalty != 1.0 else (),
+                             generator=seq.generator, num_logprobs=p.logprobs, banned_ids=banned)
+
+    def _encode(self, seqs: list[Sequence]) -> None:
+        """One packed vision pass over all images of seqs; each keeps its rows until its prefill
+        has passed its last image."""
+        images = [im for seq in seqs for im in seq.prompt.images]
+        t0 = time.perf_counter()
+        feats = self.runner.encode_images(ImageBatch(torch.cat([im.pixel_values for im in images]),
+                                                     [im.grid_thw for im in images]))
+        dt = time.perf_counter() - t0
+        self._counters["vision_s"] += dt
+        self._counters["vision_passes"] += 1
+        k = 0
+        for seq in seqs:
+            n = len(seq.prompt.images)
+            seq.image_features = feats[k] if n == 1 else torch.cat(feats[k:k + n])
+            seq.metrics.vision_s += dt
+            k += n
+
+    def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
+        if not sched.is_prefill:
+            return StepBatch(False, [SeqStep(s.seq.seq_id, [s.seq.token_ids[-1]], s.start, s.seq.block_table,
+                                             None, s.seq.prompt.rope_delta) for s in sched.scheduled])
+        need = [s.seq for s in sched.scheduled if s.seq.image_features is None and s.start < s.seq.images_end]
+        if need:
+            if self.max_prefill.value:
+                self._encode(need)                      # one packed pass for the whole step
+            else:
+                for seq in need:                        # per request, once, kept across chunks
+                    self._encode([seq])
+        steps = []
+        for s in sched.scheduled:
+            seq = s.seq
+            lo, hi = seq.image_range(s.start, s.end)
+            embeds = seq.image_features[lo:hi] if hi > lo else None
+            if s.end >= seq.images_end:
+                seq.image_features = None               # the last chunk that needs them
+            steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
+                                 seq.positions(s.start, s.end), seq.prompt.rope_delta, embeds,
+                                 need_logits=s.completes_prefill))
+        return StepBatch(True, steps)
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> EngineStats:
+        c = self._counters
+        gstats = getattr(self.runner, "decode_graph_stats", None)
+        gstats = gstats() if callable(gstats) else {}
+        with self._lock:
+            pre = len(self._pending)
+        bm = self.block_manager
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           num_preprocessing=pre, kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used,
+                           kv_usage=bm.usage, block_size=bm.block_size, num_preemptions=self.scheduler.num_preemptions,
+                           graph_hits=int(gstats.get("hits", 0)), graph_fallbacks=int(gstats.get("fallbacks", 0)),
+                           max_prefill=bool(self.max_prefill.value), **c)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        free = getattr(self.runner, "free_kv_cache", None)
+        if callable(free):
+            free()

@@ -1,0 +1,118 @@
+"""After each step, on the host: append the sampled token, detokenize incrementally, check the
+stop conditions (eos, stop ids, stop strings, max_tokens, max_model_len, the repetition-loop
+guard) and build the RequestOutput."""
+from __future__ import annotations
+
+from .outputs import RequestOutput
+from .sequence import FinishReason, Sequence
+
+# vLLM's incremental detokenization: decode a small window of ids before the new ones and keep
+# only the new characters; an unfinished UTF-8 sequence ("\ufffd") waits for the next token.
+_REPLACEMENT = "\ufffd"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    # ------------------------------------------------------------------ detokenization
+    def _detokenize(self, seq: Sequence) -> str:
+        if self.tokenizer is None or not seq.params.detokenize:
+            return ""
+        skip = seq.params.skip_special_tokens
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        if full.endswith(_REPLACEMENT) or len(full) < len(prefix):
+            return ""
+        new = full[len(prefix):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.text += new
+        return new
+
+    # ------------------------------------------------------------------ stops
+    @staticmethod
+    def _repetition(seq: Sequence, token: int) -> bool:
+        g = seq.params.repetition_guard
+        if not g.enabled:
+            return False
+        out_start, n = seq.prompt_len, seq.num_tokens - 1      # index of the new token
+        runs, ids = seq.repeat_runs, seq.token_ids
+        fired = False
+        for p in range(1, g.max_period + 1):
+            if n - p >= out_start and ids[n - p] == token:
+                runs[p] += 1
+                if runs[p] + p >= g.span_needed(p):
+                    fired = True
+            else:
+                runs[p] = 0
+        return fired
+
+    def _check_stop(self, seq: Sequence, token: int, new_text: str) -> None:
+        p = seq.params
+        out_len = seq.num_output_tokens
+        if out_len >= p.min_tokens:
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                seq.finish_reason = FinishReason.STOP
+                return
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+                return
+            if p.stop and new_text:
+                # only the new text and the tail that a stop string could straddle
+                window = max(len(s) for s in p.stop) + len(new_text)
+                tail_start = max(len(seq.text) - window, 0)
+                hits = [(seq.text.find(s, tail_start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, s
+                    return
+        if self._repetition(seq, token):
+            seq.finish_reason, seq.stop_reason = FinishReason.REPETITION, "repetition"
+            return
+        if out_len >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
+    # ------------------------------------------------------------------ per token
+    def append_token(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> str:
+        """Append one sampled token; returns the new text. Sets seq.finish_reason when it ends."""
+        seq.token_ids.append(token)
+        if seq.metrics.first_token is None:
+            seq.metrics.first_token = now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob["logprob"]
+        new_text = self._detokenize(seq)
+        self._check_stop(seq, token, new_text)
+        if seq.finish_reason is not None and not (seq.finish_reason == FinishReason.STOP and isinstance(seq.stop_reason, str)):
+            new_text += self._flush(seq)
+        return new_text
+
+    def _flush(self, seq: Sequence) -> str:
+        """The request ended: decode whatever a pending UTF-8 sequence held back."""
+        if self.tokenizer is None or not seq.params.detokenize or seq.read_offset >= seq.num_tokens:
+            return ""
+        skip = seq.params.skip_special_tokens
+        prefix = self.tokenizer.decode(seq.token_ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(seq.token_ids[seq.prefix_offset:], skip_special_tokens=skip)
+        new = full[len(prefix):]
+        seq.prefix_offset = seq.read_offset = seq.num_tokens
+        seq.text += new
+        return new
+
+    def make_output(self, seq: Sequence, num_sent_tokens: int) -> RequestOutput:
+        """Output with everything since the previous one (num_sent_tokens ids were sent)."""
+        text = seq.text
+        delta = text[seq.num_sent_text:]
+        seq.num_sent_text = len(text)
+        out_ids = seq.output_token_ids
+        want_lp = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt.prompt_text, prompt_token_ids=seq.prompt.prompt_token_ids,
+            token_ids=list(out_ids), text=text, delta_text=delta, delta_token_ids=out_ids[num_sent_tokens:],
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if want_lp else None,
+            cumulative_logprob=seq.cumulative_logprob if want_lp else None, metrics=seq.metrics)

@@ -1,0 +1,121 @@
+"""Next-token sampling for one engine step, on the device, one host transfer at the end.
+
+Per request: greedy (temperature 0), temperature, top_k, top_p (applied in transformers' order:
+repetition penalty, temperature, top-k, top-p), a seed (a per-request generator, so a request's
+samples do not depend on its batch mates), repetition_penalty (transformers' rule over prompt
+and output tokens), min_tokens (end tokens masked until reached), logprobs/top_logprobs of the
+model's raw distribution (vLLM's default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+
+@dataclass
+class SampleRequest:
+    """One row of the logits and how to sample it."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    history: Seq[int] = ()                      # prompt + output ids (for the repetition penalty)
+    generator: torch.Generator | None = None    # seeded requests only
+    num_logprobs: int | None = None             # None: no logprobs
+    banned_ids: Seq[int] = ()                   # min_tokens not reached: eos / stop ids masked
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict | None] = field(default_factory=list)   # {"logprob", "rank"?, "top": [(id, lp)]}
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[int], reqs: list[SampleRequest]) -> None:
+    for i in rows:
+        r = reqs[i]
+        ids = torch.as_tensor(list(r.history), dtype=torch.long).to(logits.device, non_blocking=True)
+        score = logits[i].gather(0, ids)
+        score = torch.where(score < 0, score * r.repetition_penalty, score / r.repetition_penalty)
+        logits[i].scatter_(0, ids, score)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        use_k: bool, use_p: bool) -> torch.Tensor:
+    """logits [n, V] already divided by the temperature; top_k 0 = off, top_p 1 = off."""
+    vocab = logits.shape[-1]
+    if use_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if use_p:
+        # transformers' TopPLogitsWarper: drop the low tail whose cumulative mass is <= 1 - top_p,
+        # always keeping the most likely token
+        sorted_logits, idx = logits.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p).unsqueeze(1)
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
+    """logits: float32 [len(reqs), V] on the device (rows may be modified in place)."""
+    n = logits.shape[0]
+    if n != len(reqs):
+        raise ValueError(f"sampler: {n} logits rows for {len(reqs)} requests")
+    if n == 0:
+        return SampleResult([], [])
+    logits = logits.float()
+    want_lp = [i for i, r in enumerate(reqs) if r.num_logprobs is not None]
+    raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
+    penal = [i for i, r in enumerate(reqs) if r.repetition_penalty != 1.0 and r.history]
+    if penal:
+        _apply_repetition_penalty(logits, penal, reqs)
+    for i, r in enumerate(reqs):
+        if r.banned_ids:
+            logits[i, list(r.banned_ids)] = float("-inf")
+
+    greedy = all(r.temperature == 0.0 for r in reqs)
+    next_ids = logits.argmax(dim=-1)
+    if not greedy:
+        dev = logits.device
+        temp = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in reqs], dtype=torch.long)
+        top_p = torch.tensor([r.top_p for r in reqs], dtype=torch.float32)
+        scaled = logits / temp.to(dev, non_blocking=True).unsqueeze(1)
+        scaled = _filter_top_k_top_p(scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True),
+                                     any(r.top_k > 0 for r in reqs), any(r.top_p < 1.0 for r in reqs))
+        probs = scaled.softmax(dim=-1)
+        rand_rows = [i for i, r in enumerate(reqs) if r.temperature > 0]
+        unseeded = [i for i in rand_rows if reqs[i].generator is None]
+        sampled = next_ids.clone()
+        if unseeded:
+            idx = torch.tensor(unseeded, dtype=torch.long).to(dev, non_blocking=True)
+            sampled.index_copy_(0, idx, torch.multinomial(probs.index_select(0, idx), 1).squeeze(1))
+        for i in rand_rows:
+            if reqs[i].generator is not None:
+                sampled[i] = torch.multinomial(probs[i], 1, generator=reqs[i].generator)[0]
+        next_ids = sampled
+
+    if not want_lp:
+        return SampleResult(next_ids.tolist(), [None] * n)
+    # one transfer for the ids and everything logprobs need
+    kmax = max(reqs[i].num_logprobs for i in want_lp)
+    lp_rows = raw_logprobs.index_select(0, torch.tensor(want_lp, dtype=torch.long).to(logits.device))
+    chosen_ids = next_ids.index_select(0, torch.tensor(want_lp, dtype=torch.long).to(logits.device))
+    chosen = lp_rows.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    rank = (lp_rows > chosen.unsqueeze(1)).sum(dim=1) + 1
+    top = lp_rows.topk(kmax, dim=-1) if kmax > 0 else None
+    ids_host = next_ids.tolist()
+    chosen_h, rank_h = chosen.tolist(), rank.tolist()
+    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
+    out: list[dict | None] = [None] * n
+    for j, i in enumerate(want_lp):
+        k = reqs[i].num_logprobs
+        out[i] = {"token_id": ids_host[i], "logprob": chosen_h[j], "rank": rank_h[j],
+                  "top": list(zip(top_i[j][:k], top_v[j][:k])) if k else []}
+    return SampleResult(ids_host, out)

@@ -1,0 +1,118 @@
+"""A fake model runner and prompt builder for unit tests of the scheduler side of the engine.
+
+The fake runner keeps a real paged cache (one float code per KV slot) and computes each row's
+logits from what it reads back through the block table, so a wrong block table, start position,
+chunk boundary, rope position or image row changes the tokens. Its logits are a pure function
+of the sequence's content, so batching, chunking and preemption must not change greedy tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastdeploy_ext.engine.step import KVCacheSpec, StepBatch
+
+IMAGE_ID, BOS, EOS = 60, 1, 2
+PLACEHOLDER = "<|IMAGE_PLACEHOLDER|>"
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + (i % 26)) for i in ids if not (skip_special_tokens and i in (BOS, EOS, IMAGE_ID)))
+
+
+class FakePromptBuilder:
+    image_token_id = IMAGE_ID
+    eos_token_ids = (EOS,)
+    vocab_size = 64
+    tokenizer = FakeTokenizer()
+
+    def render(self, messages):
+        out = "<bos>"
+        for m in messages:
+            c = m["content"]
+            parts = [c] if isinstance(c, str) else [PLACEHOLDER if p["type"] == "image" else p["text"] for p in c]
+            out += f"{m['role']}: " + "".join(parts) + "\n"
+        return out + "Assistant: "
+
+    def build(self, text, grids):
+        ids, pos = [], []
+        chunks = text.replace("<bos>", "").split(PLACEHOLDER)
+        if len(chunks) - 1 != len(grids):
+            raise ValueError(f"{len(chunks) - 1} placeholders for {len(grids)} images")
+        ids.append(BOS)
+        pos.append((0, 0, 0))
+        s = 1
+        for k, chunk in enumerate(chunks):
+            for b in chunk.encode():
+                ids.append(3 + b % 50)
+                pos.append((s, s, s))
+                s += 1
+            if k < len(grids):
+                t, h, w = grids[k]
+                for i in range(h // 2):
+                    for j in range(w // 2):
+                        ids.append(IMAGE_ID)
+                        pos.append((s, s + i, s + j))
+                s += max(h, w) // 2
+        positions = torch.tensor(pos, dtype=torch.int64).T.contiguous()
+        return ids, positions, int(positions.max()) + 1 - len(ids)
+
+
+class FakeRunner:
+    device = torch.device("cpu")
+
+    def __init__(self, vocab: int = 64, block_size: int = 4):
+        self.vocab, self.block_size = vocab, block_size
+        self.encode_calls: list[int] = []        # images per vision pass
+        self.steps: list[StepBatch] = []
+        self.cache = None
+
+    def kv_cache_spec(self):
+        return KVCacheSpec(self.block_size, 1, 1, 4, torch.float32)
+
+    def profile_peak_memory(self, *a):
+        return 0
+
+    def init_kv_cache(self, num_blocks):
+        self.cache = torch.zeros(num_blocks * self.block_size, dtype=torch.float64)
+        self.owner = [-1] * (num_blocks * self.block_size)
+
+    def free_kv_cache(self):
+        self.cache = None
+
+    def encode_images(self, batch):
+        self.encode_calls.append(len(batch.grid_thw))
+        out, k = [], 0
+        for t, h, w in batch.grid_thw:
+            n = t * h * w
+            pv = batch.pixel_values[k:k + n].reshape(n // 4, -1).double()
+            out.append(pv[:, :8] * 0.5 + pv[:, 8:16])      # [n/4, 8] per image, batch-independent
+            k += n
+        return out
+
+    def _slot(self, table, pos):
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, step: StepBatch) -> torch.Tensor:
+        self.steps.append(step)
+        rows = []
+        for s in step.seqs:
+            pos = s.rope_positions if s.rope_positions is not None else \
+                torch.full((3, 1), s.start_pos + s.rope_delta, dtype=torch.int64)
+            img_rows = iter(s.image_embeds if s.image_embeds is not None else [])
+            for j, tok in enumerate(s.token_ids):
+                code = tok * 1000.0 + float(pos[0, j] + 3 * pos[1, j] + 7 * pos[2, j])
+                if tok == IMAGE_ID:
+                    code += round(float(next(img_rows).sum()), 6)
+                slot = self._slot(s.block_table, s.start_pos + j)
+                self.cache[slot] = code
+                self.owner[slot] = s.seq_id
+            if s.image_embeds is not None:
+                assert next(img_rows, None) is None, "more image rows than placeholder tokens"
+            if s.need_logits:
+                end = s.start_pos + len(s.token_ids)
+                slots = [self._slot(s.block_table, p) for p in range(end)]
+                assert all(self.owner[sl] == s.seq_id for sl in slots), "KV slot owned by another sequence"
+                h = hash(tuple(round(float(self.cache[sl]), 4) for sl in slots)) & 0x7FFFFFFF
+                rows.append(torch.randn(self.vocab, generator=torch.Generator().manual_seed(h)))
+        return torch.stack(rows) if rows else torch.empty(0, self.vocab)

@@ -1,0 +1,105 @@
+"""The async engine API the server uses (COORD contract), on the fake runner."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastdeploy_ext.engine.async_engine import AsyncLLMEngine
+from fastdeploy_ext.engine.config import EngineConfig
+from fastdeploy_ext.engine.errors import EngineDead, InvalidRequest
+from fastdeploy_ext.engine.input_processor import InputLimits, InputProcessor
+from fastdeploy_ext.engine.sampling_params import SamplingParams
+from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor
+
+from .engine_fakes import FakePromptBuilder, FakeRunner
+from .test_engine_scheduler import TINY_PP, prompts
+
+
+def make_async(runner=None, **kw):
+    cfg = EngineConfig(max_model_len=256, num_kv_blocks=512, preprocess_workers=2, **kw)
+    proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, cfg.max_encoder_patches, 256))
+    return AsyncLLMEngine(cfg, runner=runner or FakeRunner(), input_processor=proc)
+
+
+P = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+async def collect(eng, rid, prompt, params=P):
+    outs = [o async for o in eng.generate(rid, prompt, params)]
+    return outs
+
+
+def test_generate_streams_concurrently_and_matches_sync():
+    async def main():
+        eng = make_async()
+        await eng.start()
+        assert eng.ready and eng.healthy
+        results = await asyncio.gather(*[collect(eng, str(i), p) for i, p in enumerate(prompts(4))])
+        for outs in results:
+            assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
+            assert sum((o.delta_token_ids for o in outs), []) == outs[-1].token_ids
+            assert "".join(o.delta_text for o in outs) == outs[-1].text
+        st = eng.stats()
+        assert st.kv_blocks_used == 0 and st.num_running == 0 and st.num_finished == 4
+        await eng.shutdown(drain=True)
+        return [r[-1].token_ids for r in results]
+    tokens = asyncio.run(main())
+    from .test_engine_scheduler import make_engine, run_all
+    assert tokens == [o.token_ids for o in run_all(make_engine(), prompts(4), P)]
+
+
+def test_invalid_request_raises_and_engine_stays_healthy():
+    async def main():
+        eng = make_async()
+        await eng.start()
+        with pytest.raises(InvalidRequest, match="image 0"):
+            await collect(eng, "bad", {"prompt": "x", "images": [b"junk"]})
+        assert eng.healthy
+        outs = await collect(eng, "ok", prompts(1)[0])
+        assert outs[-1].finished
+        await eng.shutdown()
+    asyncio.run(main())
+
+
+def test_abort_and_client_disconnect_free_blocks():
+    async def main():
+        eng = make_async()
+        await eng.start()
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        agen = eng.generate("a", prompts(1)[0], long)
+        first = await agen.__anext__()
+        assert first.finish_reason is None
+        await eng.abort("a")
+        rest = [o async for o in agen]
+        assert rest[-1].finish_reason == "abort"
+        # a consumer that stops iterating aborts its request
+        agen2 = eng.generate("b", prompts(1)[0], long)
+        await agen2.__anext__()
+        await agen2.aclose()
+        for _ in range(200):
+            st = eng.stats()
+            if st.num_running == 0 and st.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().kv_blocks_used == 0 and eng.stats().num_aborted == 2
+        await eng.shutdown(drain=False)
+        with pytest.raises(EngineDead):
+            await collect(eng, "late", prompts(1)[0])
+    asyncio.run(main())
+
+
+class ExplodingRunner(FakeRunner):
+    def execute(self, step):
+        raise RuntimeError("device lost")
+
+
+def test_dead_step_loop_is_reported():
+    async def main():
+        eng = make_async(runner=ExplodingRunner())
+        await eng.start()
+        with pytest.raises(EngineDead, match="device lost"):
+            await collect(eng, "x", prompts(1)[0])
+        assert not eng.healthy and "device lost" in eng.error
+        await eng.shutdown(drain=False)
+    asyncio.run(main())
