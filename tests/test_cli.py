@@ -150,3 +150,33 @@ def test_image_above_the_pixel_cap_is_refused_before_decoding(tiny_dirs, png_fil
             "--output", tmp_path / "x.safetensors", check=False, env={"FD_MAX_IMAGE_PIXELS": "1000"})
     assert r.returncode == 2 and png_files[0].name in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_bench_preprocess_reports_rates_and_bitwise_parity(tmp_path):
+    """`bench preprocess` on small images: ours at 1 and 2 workers, the PIL reference, torchvision
+    said unavailable when it cannot be imported; our first image is bitwise equal to the PIL one."""
+    out = tmp_path / "pre.json"
+    r = cli("bench", "preprocess", "--images", "2", "--size", "100x150", "--workers", "1,2", "--iters", "1",
+            "--warmup", "0", "--json-out", out)
+    assert "bitwise_equal_pil: True" in r.stdout
+    d = json.loads(out.read_text())
+    assert d["bitwise_equal_pil"] is True and d["images"] == 2 and d["size"] == [100, 150]
+    ours = {(x["mode"], x["workers"]) for x in d["rows"] if x["processor"] == "ours"}
+    assert ours == {("serial", 1), ("thread-pool", 2)}
+    assert any(x["processor"] == "transformers-pil" and x.get("workers") == 2 for x in d["rows"])
+    assert set(d["speedup"]) >= {"transformers-pil@1", "transformers-pil@2"}
+    tv = [x for x in d["rows"] if x["processor"] == "transformers-torchvision"]
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - torchvision does not import beside torch 2.13 CPU here
+        assert tv and tv[0]["note"].startswith("unavailable")
+    else:
+        assert any(x.get("workers") == 1 for x in tv)
+
+
+@pytest.mark.parametrize("flags,match", [(["--size", "10x"], "--size must be HxW"),
+                                         (["--workers", "1,0"], "--workers must be positive"),
+                                         (["--images", "0"], "--images and --iters")])
+def test_bench_preprocess_bad_flags(flags, match):
+    r = cli("bench", "preprocess", "--no-reference", *flags, check=False)
+    assert r.returncode == 2 and match in r.stderr

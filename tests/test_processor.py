@@ -333,3 +333,100 @@ def test_error_is_picklable():
     e2 = pickle.loads(pickle.dumps(e))
     assert type(e2) is ImageInputError and str(e2) == str(e) == "x.png: file not found. Check the path"
     assert e2.source == "x.png"
+
+
+# ------------------------------------------------------- fast pixel mapping, pool (issue 10)
+
+from fastdeploy_ext.models.paddleocr_vl import pixel_map  # noqa: E402
+from fastdeploy_ext.models.paddleocr_vl.preprocess_pool import PreprocessPool  # noqa: E402
+
+# (config kwargs, the recipe the processor is expected to pick)
+RECIPE_CASES = [
+    pytest.param(dict(image_mean=PADDLE["image_mean"], image_std=PADDLE["image_std"]), "exact3/div", id="released-0.5"),
+    pytest.param(dict(image_mean=CLIP_MEAN, image_std=CLIP_STD), "exact3/div", id="clip"),
+    pytest.param(dict(image_mean=CLIP_MEAN, image_std=CLIP_STD, rescale_factor=0.0039), "table", id="odd-rescale-table"),
+    pytest.param(dict(image_mean=(0.3, 0.4, 0.5), image_std=(1.0, 2.0, 4.0), do_rescale=False), "normalize",
+                 id="no-rescale"),
+    pytest.param(dict(image_mean=CLIP_MEAN, image_std=CLIP_STD, do_normalize=False), "exact3/div", id="no-normalize"),
+]
+
+
+@pytest.mark.parametrize("kw,recipe", RECIPE_CASES)
+def test_recipes_bitwise_vs_transformers(kw, recipe):
+    """Each recipe the processor may pick, on a real resize (333x517 -> multiple of 28), equals
+    the PIL-backed transformers processor bit for bit (incl. the table fallback)."""
+    cfg = PreprocessorConfig(min_pixels=28 * 28, max_pixels=1536 * 1536, **kw)
+    proc = ImageProcessor(cfg)
+    assert proc.pixel_recipe == recipe
+    hf = HFProc(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, image_mean=list(cfg.image_mean),
+                image_std=list(cfg.image_std), rescale_factor=cfg.rescale_factor, do_rescale=cfg.do_rescale,
+                do_normalize=cfg.do_normalize)
+    img = Image.fromarray(_noise(333, 517))
+    _compare(proc.preprocess(img), hf, img)
+
+
+def test_mapper_rejects_a_recipe_that_is_off_by_one_ulp(monkeypatch):
+    """Mutation test of the exactness check: transformers' own recipe followed by a multiply by
+    (1 + 2^-23) (one ulp on most values) is refused; the exact table gather is used instead."""
+    real = pixel_map._candidate_recipes
+
+    def mutated(rf, mean, std):
+        for name, steps in real(rf, mean, std):
+            yield name + "+ulp", steps + ((np.multiply, np.float32(1 + 2 ** -23)),)
+    monkeypatch.setattr(pixel_map, "_candidate_recipes", mutated)
+    m = pixel_map.PixelMapper.build(1 / 255, CLIP_MEAN, CLIP_STD)
+    assert m.recipe_name == "table" and m.steps is None
+    good = pixel_map.reference_table(1 / 255, CLIP_MEAN, CLIP_STD)
+    arr = _noise(28, 56)
+    out = m.patchify(arr, 14)
+    assert out.shape == (2 * 4, 3, 14, 14)
+    assert out[0, 1, 0, 0] == good[1, arr[0, 0, 1]] and out[5, 2, 13, 13] == good[2, arr[27, 27, 2]]  # patch 5 = grid (1, 1)
+
+
+@pytest.mark.parametrize("h,w", [(1080, 1920), (2339, 1654), (730, 480)])
+def test_parity_page_sizes_released_config(h, w):
+    """Page-sized inputs with the released checkpoint's settings: resize up (1080p), down (an A4
+    scan at 200 dpi is above max_pixels) and a small photo; bitwise vs transformers."""
+    proc = _ours(PADDLE["min_pixels"], PADDLE["max_pixels"], PADDLE["image_mean"], PADDLE["image_std"])
+    img = Image.fromarray(_noise(h, w))
+    ours = proc.preprocess(img)
+    assert ours.resized_size != (h, w)
+    _compare(ours, _hf(PADDLE["min_pixels"], PADDLE["max_pixels"], PADDLE["image_mean"], PADDLE["image_std"]), img)
+
+
+def test_pool_matches_serial_order_and_errors(tmp_path):
+    proc = _ours(28 * 28, 256 * 256)
+    srcs = [Image.fromarray(_noise(40 + 7 * i, 90 - 5 * i, seed=i)) for i in range(6)]
+    serial = [proc.preprocess(s) for s in srcs]
+    with PreprocessPool(proc, workers=3) as pool:
+        assert pool.workers == 3
+        outs = pool.map(srcs)
+        assert [o.source for o in outs] == [f"<image {i}>" for i in range(6)]
+        for a, b in zip(outs, serial):
+            assert a.grid_thw == b.grid_thw and torch.equal(a.pixel_values, b.pixel_values)
+        # a bad image among good ones: its name in the error, the pool still works afterwards
+        with pytest.raises(ImageInputError, match=r"<image 2>.*not a recognised image format"):
+            pool.map([srcs[0], srcs[1], b"not an image" * 20, srcs[3]])
+        fut = pool.submit(srcs[4], name="req-7/image 0")
+        assert fut.result().source == "req-7/image 0"
+        assert torch.equal(fut.result().pixel_values, serial[4].pixel_values)
+        with pytest.raises(ValueError, match="2 names for 1 images"):
+            pool.map([srcs[0]], names=["a", "b"])
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_pool_rejects_bad_worker_count(workers):
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        PreprocessPool(ImageProcessor(), workers=workers)
+
+
+def test_pool_threads_share_one_processor_concurrently():
+    """Many threads on one processor at once (the engine's use): every result equals the serial one."""
+    proc = _ours(28 * 28, 512 * 512)
+    srcs = [Image.fromarray(_noise(300 + i, 200 + 3 * i, seed=i)) for i in range(8)]
+    serial = [proc.preprocess(s).pixel_values for s in srcs]
+    with PreprocessPool(proc, workers=8) as pool:
+        for _ in range(3):
+            outs = pool.map(srcs * 2)
+            for i, o in enumerate(outs):
+                assert torch.equal(o.pixel_values, serial[i % 8])

@@ -152,6 +152,10 @@ def build_parser():
     bl = command_parser(bsub, "layers", "non-attention ops of a layer: ATen vs the fused path (CUDA)")
     layer_ops.add_arguments(bl)
     bl.set_defaults(func=layer_ops.run_cli)
+    from ..bench import preprocess as preprocess_bench
+    bp = bsub.add_parser("preprocess", help="image preprocessing images/s at 1 and N workers vs transformers")
+    preprocess_bench.add_arguments(bp)
+    bp.set_defaults(func=preprocess_bench.run_cli)
     return p
 
 
@@ -167,4 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy: commands raise the importable
+    # module's CliError (e.g. from fastdeploy_ext.bench.*), which __main__'s own class would miss.
+    from fastdeploy_ext.entrypoints.cli import main as _main
+    sys.exit(_main())

@@ -11,9 +11,15 @@ Matches transformers' ``PaddleOCRVLImageProcessorPil`` (transformers 5.24) bit f
 5. patchify into ``[grid_h * grid_w, 3 * temporal_patch_size, patch, patch]`` in raster order
    (row-major over the patch grid), ``grid_thw = (1, grid_h, grid_w)``.
 
-Steps 3 and 4 only ever see uint8 inputs, so they are evaluated once per channel for the 256
-possible values (a lookup table computed with the very same numpy operations and dtypes as
-transformers) and applied as a gather: identical bits, a fraction of the work.
+Steps 3 and 4 only ever see uint8 inputs: ``pixel_map.PixelMapper`` evaluates them once per
+channel for the 256 possible values (the very same numpy operations and dtypes as transformers)
+and maps the image with a cheaper float32 recipe that reproduces that table bit for bit (checked
+when the processor is built), patch row by patch row so the work stays in cache. The image is
+resized once and patchified through strided views; no per-pixel Python.
+
+Thread safety: ``ImageProcessor`` holds no mutable state after construction; ``preprocess`` may
+be called from several threads at once (PIL's resize and numpy's loops release the GIL), which
+is what ``preprocess_pool.PreprocessPool`` does.
 
 Input hygiene: every failure while reading an image (missing file, directory, empty or corrupt
 bytes, truncated data, pixel count above the decode cap, absurd aspect ratio) becomes an
@@ -40,6 +46,7 @@ import torch
 from PIL import Image, ImageOps
 
 from ... import envs
+from .pixel_map import PixelMapper
 
 logger = logging.getLogger(__name__)
 
@@ -444,24 +451,17 @@ class ImageProcessor:
 
     def __init__(self, cfg: PreprocessorConfig | None = None):
         self.cfg = cfg or PreprocessorConfig()
-        self._lut = self._build_lut(self.cfg)
+        c = self.cfg
+        # Immutable after construction: one processor may serve many threads (see PreprocessPool).
+        self._mapper = PixelMapper.build(c.rescale_factor if c.do_rescale else None,
+                                         c.image_mean if c.do_normalize else None,
+                                         c.image_std if c.do_normalize else None)
+        logger.debug("image processor: pixel mapping recipe %s", self._mapper.recipe_name)
 
-    @staticmethod
-    def _build_lut(cfg: PreprocessorConfig) -> np.ndarray:
-        """[3, 256] float32: the rescale+normalize result for every uint8 value, per channel.
-
-        Same ops and dtypes as transformers: rescale = float32(float64(v) * factor); normalize in
-        float32 with mean/std cast to float32. Elementwise IEEE ops, so the table is exact."""
-        v = np.arange(256, dtype=np.uint8)[None, :].repeat(3, axis=0)
-        if cfg.do_rescale:
-            x = (v.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-        else:
-            x = v.astype(np.float32)
-        if cfg.do_normalize:
-            mean = np.array(cfg.image_mean, dtype=x.dtype)[:, None]
-            std = np.array(cfg.image_std, dtype=x.dtype)[:, None]
-            x = (x - mean) / std
-        return np.ascontiguousarray(x, dtype=np.float32)
+    @property
+    def pixel_recipe(self) -> str:
+        """How uint8 values become normalized floats (a verified arithmetic recipe, or "table")."""
+        return self._mapper.recipe_name
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         c = self.cfg
@@ -516,12 +516,7 @@ class ImageProcessor:
             raise ImageInputError(label, f"unexpected decoded shape {arr.shape}", "Send an RGB-convertible image")
         p = c.patch_size
         gh, gw = rh // p, rw // p
-        # patchify the uint8 image first (cheap), then map values through the LUT (exact).
-        u8 = arr.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3)  # [gh, gw, 3, p, p]
-        out = np.empty((gh, gw, 3, p, p), dtype=np.float32)
-        for ch in range(3):
-            np.take(self._lut[ch], u8[:, :, ch], out=out[:, :, ch])
-        out = out.reshape(gh * gw, 3, p, p)
+        out = self._mapper.patchify(arr, p)  # [gh*gw, 3, p, p] float32, exact
         if c.temporal_patch_size > 1:  # transformers broadcasts each channel T times (c-major)
             out = np.repeat(out, c.temporal_patch_size, axis=1)
         pv = torch.from_numpy(np.ascontiguousarray(out))
