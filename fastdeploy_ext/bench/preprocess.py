@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
 
 
 def _parse(args):
-    from ..entrypoints.cli import CliError
+    from ..entrypoints.args import CliError
     from ..models.paddleocr_vl.preprocess_pool import default_workers
     try:
         h, w = (int(x) for x in args.size.lower().split("x"))

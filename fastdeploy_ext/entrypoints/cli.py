@@ -153,7 +153,7 @@ def build_parser():
     layer_ops.add_arguments(bl)
     bl.set_defaults(func=layer_ops.run_cli)
     from ..bench import preprocess as preprocess_bench
-    bp = bsub.add_parser("preprocess", help="image preprocessing images/s at 1 and N workers vs transformers")
+    bp = command_parser(bsub, "preprocess", "image preprocessing images/s at 1 and N workers vs transformers")
     preprocess_bench.add_arguments(bp)
     bp.set_defaults(func=preprocess_bench.run_cli)
     return p
@@ -171,7 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: commands raise the importable
-    # module's CliError (e.g. from fastdeploy_ext.bench.*), which __main__'s own class would miss.
-    from fastdeploy_ext.entrypoints.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())
