@@ -6,7 +6,10 @@ setup(
     description="Fast multi-vendor inference of OCR vision-language models (PaddleOCR-VL)",
     python_requires=">=3.10",
     packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*", "backends", "backends.*"]),
-    package_data={"fastdeploy_ext": ["capabilities.yaml"]},
+    # the conformance suite's references (tiny checkpoints, images, expected outputs; see
+    # fastdeploy_ext/conformance/references.py): the suite runs without transformers
+    package_data={"fastdeploy_ext": ["capabilities.yaml"],
+                  "fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"]},
     install_requires=[
         "torch>=2.11,<2.14",
         "numpy",

@@ -10,3 +10,7 @@ for backend in ${FDX_BACKENDS:-cpu cpu_amx metax}; do
   echo "=== conformance: $backend"
   $PY -m pytest -q -p no:cacheprovider --pyargs fastdeploy_ext.conformance --fdx-backend "$backend" "$@"
 done
+# the suite needs no transformers: every test runs against the shipped references (a skip fails)
+echo "=== conformance: cpu, transformers blocked from import"
+PYTHONPATH="ci${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest -q -p no:cacheprovider -p no_transformers \
+  --pyargs fastdeploy_ext.conformance --fdx-backend cpu "$@"

@@ -1,5 +1,6 @@
 """Fixtures of the conformance suite: the backend under test, runners built from plan requests,
-tiny checkpoints in both layouts, and real images."""
+and the shipped references (references.py): tiny checkpoints in both layouts, real images and
+the expected outputs. Nothing here needs transformers; a missing reference fails the test."""
 from __future__ import annotations
 
 import pytest
@@ -43,38 +44,30 @@ def emulated(request) -> bool:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    pytest.importorskip("transformers", reason="the reference needs transformers (pip install '.[test]')")
-    from .tiny_model import write_paddle_twin, write_torch_model
-    root = tmp_path_factory.mktemp("tiny")
-    torch_dir = write_torch_model(root / "torch")
-    return {"torch": torch_dir, "paddle": write_paddle_twin(torch_dir, root / "paddle")}
+def references():
+    from .references import Manifest
+    return Manifest.load()
 
 
 @pytest.fixture(scope="session")
-def images(tmp_path_factory):
-    """Real image files (Pillow): sizes that need no resize under the tiny preprocessor config
+def tiny_models(references):
+    """The shipped checkpoints (read only): torch layout and its sharded Paddle-layout twin."""
+    return {"torch": references.path("tiny_torch"), "paddle": references.path("tiny_paddle")}
+
+
+@pytest.fixture(scope="session")
+def images(references):
+    """Real image files (PNG) whose sizes need no resize under the tiny preprocessor config
     (multiples of 28 within its pixel range), so transformers' two resize backends agree."""
-    from PIL import Image
-    root = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(1)
-    paths = []
-    for i, (w, h) in enumerate([(112, 56), (56, 84), (28, 28), (84, 140)]):
-        arr = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
-        p = root / f"img{i}.png"
-        Image.fromarray(arr).save(p)
-        paths.append(p)
-    return paths
+    return references.files("images")
 
 
 @pytest.fixture(scope="session")
 def batch_for(images):
     """batch_for(model_dir, n) -> ImageBatch of the first n images, preprocessed by our
     processor with the model dir's preprocessor_config.json."""
-    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
-    from ..runner import ImageBatch
+    from .make_references import processed_batch
 
     def make(model_dir, n=len(images)):
-        proc = ImageProcessor(PreprocessorConfig.from_model_dir(model_dir))
-        return ImageBatch.from_images([proc.preprocess(p) for p in images[:n]])
+        return processed_batch(model_dir, images[:n])
     return make

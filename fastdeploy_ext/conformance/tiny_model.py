@@ -1,8 +1,10 @@
 """Tiny random PaddleOCR-VL checkpoints written by transformers' save_pretrained (torch layout)
-and their Paddle-layout twins, plus the transformers reference for the vision path.
+and their Paddle-layout twins, the test images, plus the transformers reference for the vision
+path. make_references.py ships their outputs as package data; the suite reads those.
 
 Tiny but faithful where kernels care: vision head_dim is 72 like the released model (2 heads of
-72), the merge is 2x2, the position grid is resampled. Needs transformers (the `test` extra).
+72), the merge is 2x2, the position grid is resampled. write_torch_model and
+reference_image_features need transformers (the `test` extra); the twin and the images do not.
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ def hf_config():
     return PaddleOCRVLConfig(vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT))
 
 
-def write_torch_model(path: str | Path, seed: int = 0) -> Path:
-    """save_pretrained of a random tiny PaddleOCRVLForConditionalGeneration."""
+def write_torch_model(path: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """save_pretrained of a random tiny PaddleOCRVLForConditionalGeneration, weights stored in
+    ``dtype`` (the shipped references use bfloat16: half the bytes, and every value is still
+    exact when loaded in fp32)."""
     from transformers import PaddleOCRVLForConditionalGeneration
     path = Path(path)
     torch.manual_seed(seed)
@@ -37,9 +41,29 @@ def write_torch_model(path: str | Path, seed: int = 0) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
             if "position_embedding" in name:
                 p.normal_(0, 0.5)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=1))
     return path
+
+
+# Sizes that need no resize under TINY_PREPROCESSOR (multiples of 28 within its pixel range), so
+# transformers' two resize backends agree: (width, height)
+TINY_IMAGE_SIZES = ((112, 56), (56, 84), (28, 28), (84, 140))
+
+
+def write_images(path: str | Path, seed: int = 1) -> list[Path]:
+    """Random RGB PNGs of TINY_IMAGE_SIZES (Pillow only)."""
+    from PIL import Image
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (w, h) in enumerate(TINY_IMAGE_SIZES):
+        arr = (torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()
+        p = path / f"img{i}.png"
+        Image.fromarray(arr).save(p)
+        out.append(p)
+    return out
 
 
 def _is_linear_weight(name: str, t: torch.Tensor) -> bool:

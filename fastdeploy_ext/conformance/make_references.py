@@ -1,0 +1,167 @@
+"""Regenerate the conformance suite's reference data (package data under reference_data/).
+
+    python -m fastdeploy_ext.conformance.make_references            # everything
+    python -m fastdeploy_ext.conformance.make_references --only encoder_features
+    python -m fastdeploy_ext.conformance.make_references --out /tmp/refs   # elsewhere, to compare
+
+Needs transformers 5.24 (the numerical reference) for the checkpoint and the expected outputs.
+Producers run in order; each writes its entry and the manifest records the files' sha256, the
+versions that produced them and the entries they were computed from. Entries not regenerated
+keep their manifest records, so adding an entry (e.g. greedy token ids for generation tests:
+append a Producer) leaves the others' bytes untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .references import REFERENCE_ROOT, Manifest, MissingReference, ReferenceEntry, sha256_file
+
+ENCODER_FEATURES_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class Producer:
+    name: str
+    kind: str
+    path: str
+    description: str
+    inputs: tuple[str, ...]
+    make: Callable[[Path, dict[str, Path]], None]   # (destination, input name -> path)
+
+
+def pixels_sha256(pixel_values: torch.Tensor) -> str:
+    """Identity of the encoder's input: the expected features hold only for these pixels."""
+    return hashlib.sha256(pixel_values.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def processed_batch(model_dir: Path, image_paths: list[Path]):
+    """The batch the suite encodes: our processor on the shipped images with the checkpoint's
+    preprocessor config (the sizes need no resize, so transformers' processor agrees)."""
+    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+    from ..runner import ImageBatch
+    proc = ImageProcessor(PreprocessorConfig.from_model_dir(model_dir))
+    return ImageBatch.from_images([proc.preprocess(p) for p in image_paths])
+
+
+def _make_tiny_torch(dst: Path, inputs: dict[str, Path]) -> None:
+    from .tiny_model import write_torch_model
+    write_torch_model(dst, dtype=torch.bfloat16)
+
+
+def _make_tiny_paddle(dst: Path, inputs: dict[str, Path]) -> None:
+    from .tiny_model import write_paddle_twin
+    write_paddle_twin(inputs["tiny_torch"], dst)
+
+
+def _make_images(dst: Path, inputs: dict[str, Path]) -> None:
+    from .tiny_model import write_images
+    write_images(dst)
+
+
+def _make_encoder_features(dst: Path, inputs: dict[str, Path]) -> None:
+    from safetensors.torch import save_file
+
+    from .tiny_model import reference_image_features
+    images = sorted(inputs["images"].glob("*.png"))
+    batch = processed_batch(inputs["tiny_torch"], images)
+    feats = reference_image_features(inputs["tiny_torch"], batch.pixel_values, batch.grid_thw,
+                                     dtype=ENCODER_FEATURES_DTYPE)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    save_file({f"image{i}": f.contiguous() for i, f in enumerate(feats)}, str(dst),
+              metadata={"grid_thw": repr([tuple(g) for g in batch.grid_thw]),
+                        "images": repr([p.name for p in images]),
+                        "pixel_values_sha256": pixels_sha256(batch.pixel_values),
+                        "dtype": str(ENCODER_FEATURES_DTYPE)})
+
+
+PRODUCERS: tuple[Producer, ...] = (
+    Producer("tiny_torch", "model_dir", "tiny_torch",
+             "random tiny PaddleOCR-VL (vision 2x72 heads, 2 layers; text 1 layer), save_pretrained, bf16 weights",
+             (), _make_tiny_torch),
+    Producer("tiny_paddle", "model_dir", "tiny_paddle",
+             "the same weights in Paddle layout (Linear weights [in, out]), 2 shards, size-form preprocessor config",
+             ("tiny_torch",), _make_tiny_paddle),
+    Producer("images", "files", "images", "random RGB PNGs whose sizes need no resize", (), _make_images),
+    Producer("encoder_features", "tensors", "expected/encoder_features.safetensors",
+             "transformers get_image_features(...).pooler_output, fp32 on the CPU, one tensor per image, "
+             "for our processor's pixels of `images`",
+             ("tiny_torch", "images"), _make_encoder_features),
+)
+
+
+def _versions() -> dict:
+    import transformers
+    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
+def _record(p: Producer, root: Path, inputs: dict[str, Path]) -> ReferenceEntry:
+    target = root / p.path
+    if p.kind in ("model_dir", "files"):
+        files = {str(f.relative_to(target)): sha256_file(f) for f in sorted(target.rglob("*")) if f.is_file()}
+    else:
+        files = {target.name: sha256_file(target)}
+    return ReferenceEntry(p.name, p.kind, p.path, files, p.description, p.inputs, _versions())
+
+
+def generate(root: Path = REFERENCE_ROOT, only: tuple[str, ...] = ()) -> Manifest:
+    """Run the producers (all, or ``only`` those) into ``root`` and rewrite its manifest."""
+    known = {p.name for p in PRODUCERS}
+    unknown = set(only) - known
+    if unknown:
+        raise SystemExit(f"unknown reference(s) {sorted(unknown)}; known: {', '.join(p.name for p in PRODUCERS)}")
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = dict(Manifest.load(root).entries)
+    except MissingReference:
+        entries = {}
+    for p in PRODUCERS:
+        if only and p.name not in only:
+            continue
+        inputs = {}
+        for name in p.inputs:
+            if name not in entries:
+                raise SystemExit(f"{p.name} needs {name}: generate it first (or drop --only)")
+            inputs[name] = root / entries[name].path
+        target = root / p.path
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        p.make(target, inputs)
+        for f in ([target] if target.is_file() else target.rglob("*")):
+            f.chmod(0o644)                # safetensors writes 0600; package data must be readable
+        entries[p.name] = _record(p, root, inputs)
+        print(f"{p.name} -> {target}")
+    manifest = Manifest(root, entries)
+    manifest.save()
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fastdeploy_ext.conformance.make_references", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REFERENCE_ROOT, help="directory to write (default: the package's)")
+    ap.add_argument("--only", nargs="+", default=(), metavar="NAME", help="regenerate only these entries")
+    args = ap.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("make_references needs transformers (pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    manifest = generate(args.out, tuple(args.only))
+    total = sum((manifest.root / e.path / f if e.kind in ("model_dir", "files") else manifest.root / e.path).stat().st_size
+                for e in manifest.entries.values() for f in e.files)
+    print(f"{len(manifest.entries)} entries, {total / 1024:.0f} KiB, manifest {manifest.root / 'manifest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
