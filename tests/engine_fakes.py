@@ -34,7 +34,8 @@ class FakePromptBuilder:
             out += f"{m['role']}: " + "".join(parts) + "\n"
         return out + "Assistant: "
 
-    def build(self, text, grids):
+    def build(self, messages, grids):
+        text = self.render(messages)
         ids, pos = [], []
         chunks = text.replace("<bos>", "").split(PLACEHOLDER)
         if len(chunks) - 1 != len(grids):

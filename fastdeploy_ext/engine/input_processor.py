@@ -21,17 +21,36 @@ from .sequence import ImageInput, ProcessedPrompt
 
 
 class PromptBuilder(Protocol):
-    """The model side of prompt building (models/paddleocr_vl/, helper textmodel)."""
+    """The model side of prompt building (models/paddleocr_vl/prompt.py)."""
     image_token_id: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     tokenizer: Any
 
-    def render(self, messages: list[dict]) -> str:
-        """Chat template over messages whose content parts are {"type": "text"} / {"type": "image"}."""
+    def build(self, messages: list[dict], grids: list[tuple[int, int, int]]) -> tuple[list[int], torch.Tensor, int]:
+        """Chat template over messages whose content parts are {"type": "text"} / {"type": "image"}
+        -> token ids (placeholders expanded to h*w/4 per image), mrope positions [3, n], rope_delta."""
 
-    def build(self, text: str, grids: list[tuple[int, int, int]]) -> tuple[list[int], torch.Tensor, int]:
-        """Token ids (placeholders expanded to h*w/4 per image), mrope positions [3, n], rope_delta."""
+
+class ModelPromptBuilder:
+    """PaddleOCR-VL's: the runner's tokenizer and chat template (from the model dir, or the
+    built-in ones with --load-format dummy) and models/paddleocr_vl/prompt.build_prompt."""
+
+    def __init__(self, runner):
+        cfg = runner.cfg
+        self.cfg, self.tokenizer, self.template = cfg, runner.tokenizer, runner.chat_template
+        if self.tokenizer is None:
+            raise ValueError("the runner has no tokenizer: load the model with with_text=True")
+        self.image_token_id = cfg.image_token_id
+        self.vocab_size = cfg.text.vocab_size
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = getattr(cfg.text, "eos_token_id", 2) if eos is None else eos
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def build(self, messages, grids):
+        from ..models.paddleocr_vl.prompt import build_prompt
+        p = build_prompt(self.tokenizer, self.template, self.cfg, messages=messages, image_grids=grids)
+        return p.token_ids, p.positions, p.rope_delta
 
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
@@ -116,7 +135,7 @@ class InputProcessor:
             raise InvalidRequest(f"a prompt is a dict with 'messages' or 'prompt', got {type(prompt).__name__}")
         if prompt.get("messages") is not None:
             messages, images = split_messages(prompt["messages"])
-            text = self.builder.render(messages)
+            prompt_text = None
         elif isinstance(prompt.get("prompt"), str):
             images = prompt.get("images")
             mm = prompt.get("multi_modal_data") or {}
@@ -127,12 +146,11 @@ class InputProcessor:
             elif not isinstance(images, (list, tuple)):
                 images = [images]
             images = [image_source(im) for im in images]
-            # a raw prompt without the chat template around its images is rendered as one user
-            # turn: [images..., text] (vLLM would refuse it; OCR users pass the task, e.g. "OCR:")
-            text = prompt["prompt"]
-            if images and "<|IMAGE_PLACEHOLDER|>" not in text:
-                text = self.builder.render([{"role": "user", "content": [{"type": "image"}] * len(images)
-                                             + [{"type": "text", "text": text}]}])
+            # a raw prompt is the text of one user turn after its images, rendered with the
+            # model's chat template (OCR users pass the task, e.g. "OCR:")
+            prompt_text = prompt["prompt"]
+            messages = [{"role": "user", "content": [{"type": "image"}] * len(images)
+                         + [{"type": "text", "text": prompt_text}]}]
         else:
             raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
         lim = self.limits
@@ -150,7 +168,7 @@ class InputProcessor:
                                      f"--max-encoder-patches {lim.max_encoder_patches}")
         grids = [tuple(im.grid_thw) for im in processed]
         try:
-            ids, positions, rope_delta = self.builder.build(text, grids)
+            ids, positions, rope_delta = self.builder.build(messages, grids)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         if len(ids) >= lim.max_model_len:
@@ -163,7 +181,7 @@ class InputProcessor:
             raise InvalidRequest(f"the prompt has {len(offsets)} image placeholder runs for {len(processed)} images")
         inputs = [ImageInput(im.pixel_values, tuple(im.grid_thw), off, n, im.source)
                   for (off, n), im in zip(offsets, processed)]
-        out = ProcessedPrompt(list(ids), positions, int(rope_delta), inputs, text, time.perf_counter() - t0)
+        out = ProcessedPrompt(list(ids), positions, int(rope_delta), inputs, prompt_text, time.perf_counter() - t0)
         out.validate()
         return out
 

@@ -24,7 +24,7 @@ from ..runner import ImageBatch
 from .block_manager import BlockManager
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .errors import InvalidRequest
-from .input_processor import InputLimits, InputProcessor
+from .input_processor import InputLimits, InputProcessor, ModelPromptBuilder
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -107,11 +107,10 @@ class LLMEngine:
     @staticmethod
     def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
         from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
-        from ..models.paddleocr_vl.prompt import prompt_builder_for
         pcfg = PreprocessorConfig.from_model_dir(config.model) if config.model else PreprocessorConfig()
         limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
                              max_encoder_patches=config.max_encoder_patches, max_model_len=config.max_model_len)
-        return InputProcessor(prompt_builder_for(runner), ImageProcessor(pcfg), limits)
+        return InputProcessor(ModelPromptBuilder(runner), ImageProcessor(pcfg), limits)
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config

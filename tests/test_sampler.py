@@ -1,0 +1,128 @@
+"""ops/sampler.py and the host-side stop checks (engine/output_processor.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdeploy_ext.engine.output_processor import OutputProcessor
+from fastdeploy_ext.engine.sampling_params import RepetitionGuard, SamplingParams
+from fastdeploy_ext.engine.sequence import ProcessedPrompt, Sequence
+from fastdeploy_ext.ops.sampler import SampleRequest, sample
+
+from .engine_fakes import FakeTokenizer
+
+
+def logits(n=4, v=50, seed=0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax_and_top_k1_top_p_tiny_are_greedy():
+    x = logits()
+    ref = x.argmax(-1).tolist()
+    assert sample(x.clone(), [SampleRequest()] * 4).token_ids == ref
+    assert sample(x.clone(), [SampleRequest(temperature=1.0, top_k=1)] * 4).token_ids == ref
+    assert sample(x.clone(), [SampleRequest(temperature=1.0, top_p=1e-6)] * 4).token_ids == ref
+
+
+def test_top_k_and_top_p_filters_match_transformers():
+    tr = pytest.importorskip("transformers.generation.logits_process")
+    from fastdeploy_ext.ops.sampler import _filter_top_k_top_p
+    x = logits(3, 40)
+    ours = _filter_top_k_top_p(x.clone(), torch.tensor([5, 5, 5]), torch.tensor([0.7] * 3), True, True)
+    ref = tr.TopPLogitsWarper(0.7)(None, tr.TopKLogitsWarper(5)(None, x.clone()))
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    x = logits(3, 50)
+    def draw(seed, rows):
+        gens = [torch.Generator().manual_seed(seed) for _ in rows]
+        return [sample(x[rows].clone(), [SampleRequest(temperature=1.0, generator=g) for g in gens]).token_ids
+                for _ in range(1)][0]
+    a = [draw(7, [1])[0] for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+    g1 = torch.Generator().manual_seed(7)
+    alone = [sample(x[1:2].clone(), [SampleRequest(temperature=1.0, generator=g1)]).token_ids[0] for _ in range(20)]
+    g2 = torch.Generator().manual_seed(7)
+    batched = [sample(x.clone(), [SampleRequest(temperature=1.0), SampleRequest(temperature=1.0, generator=g2),
+                                  SampleRequest()]).token_ids[1] for _ in range(20)]
+    assert alone == batched
+    assert len(set(alone)) > 1       # it does sample
+
+
+def test_repetition_penalty_matches_transformers():
+    tr = pytest.importorskip("transformers.generation.logits_process")
+    x = logits(1, 30)
+    hist = [3, 5, 5, 7, 20]
+    ref = tr.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([hist]), x.clone())
+    ours = x.clone()
+    res = sample(ours, [SampleRequest(repetition_penalty=1.3, history=hist)])
+    assert res.token_ids == ref.argmax(-1).tolist()
+    assert torch.allclose(ours, ref)
+
+
+def test_logprobs_are_the_raw_distribution():
+    x = logits(2, 20)
+    res = sample(x.clone(), [SampleRequest(num_logprobs=3), SampleRequest()])
+    lp = x[0].log_softmax(-1)
+    d = res.logprobs[0]
+    assert d["token_id"] == res.token_ids[0] and d["rank"] == 1
+    assert abs(d["logprob"] - lp.max().item()) < 1e-6
+    assert [t for t, _ in d["top"]] == lp.topk(3).indices.tolist()
+    assert res.logprobs[1] is None
+
+
+def make_seq(params, prompt=(1, 5, 6)):
+    pp = ProcessedPrompt(list(prompt), torch.arange(len(prompt)).expand(3, -1), 0)
+    params.validate(64)
+    return Sequence(0, "r", pp, params, params.max_tokens or 100, eos_token_ids=(2,))
+
+
+def feed(seq, tokens, proc=None):
+    proc = proc or OutputProcessor(FakeTokenizer(), 1000)
+    for t in tokens:
+        proc.append_token(seq, t, None, 0.0)
+        if seq.finish_reason is not None:
+            break
+    return seq
+
+
+def test_stop_conditions():
+    s = feed(make_seq(SamplingParams(max_tokens=10)), [7, 8, 2, 9])
+    assert s.finish_reason.value == "stop" and s.output_token_ids == [7, 8, 2] and s.stop_reason is None
+    s = feed(make_seq(SamplingParams(max_tokens=10, ignore_eos=True)), [7, 2, 9, 9])
+    assert s.finish_reason is None and s.num_output_tokens == 4
+    s = feed(make_seq(SamplingParams(max_tokens=3, ignore_eos=True)), [7, 2, 9, 9])
+    assert s.finish_reason.value == "length" and s.num_output_tokens == 3
+    s = feed(make_seq(SamplingParams(max_tokens=10, stop_token_ids=[9])), [7, 9, 10])
+    assert s.finish_reason.value == "stop" and s.stop_reason == 9
+    # stop string: tokens 7,8,9 decode to "hij"; "ij" stops, text cut before it
+    s = feed(make_seq(SamplingParams(max_tokens=10, stop=["ij"])), [7, 8, 9, 10])
+    assert s.finish_reason.value == "stop" and s.stop_reason == "ij" and s.text == "h"
+    s = feed(make_seq(SamplingParams(max_tokens=10, stop=["ij"], include_stop_str_in_output=True)), [7, 8, 9])
+    assert s.text == "hij"
+    s = feed(make_seq(SamplingParams(max_tokens=10, min_tokens=3)), [2, 7, 8, 2])
+    assert s.num_output_tokens == 4 and s.finish_reason.value == "stop"
+
+
+def test_repetition_guard_fires_and_can_be_disabled():
+    guard = RepetitionGuard(max_period=4, min_repeats=5, min_span=12)
+    loop = [11, 12, 13] * 10
+    s = feed(make_seq(SamplingParams(max_tokens=100, repetition_guard=guard)), [20, 21] + loop)
+    assert s.finish_reason.value == "repetition" and s.stop_reason == "repetition"
+    assert s.num_output_tokens == 2 + 15     # period 3 x 5 repeats >= span 12: fires at the 15th loop token
+    off = RepetitionGuard(enabled=False)
+    s = feed(make_seq(SamplingParams(max_tokens=100, repetition_guard=off)), [20, 21] + loop)
+    assert s.finish_reason is None
+    # varied text never fires
+    s = feed(make_seq(SamplingParams(max_tokens=100, repetition_guard=guard)), list(range(3, 60)))
+    assert s.finish_reason is None
+
+
+def test_bad_sampling_params_name_the_field():
+    from fastdeploy_ext.engine.errors import InvalidRequest
+    for kw, word in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+                     ({"max_tokens": 0}, "max_tokens"), ({"stop_token_ids": [99]}, "stop_token_ids"),
+                     ({"logprobs": 50}, "logprobs"), ({"repetition_guard": {"max_period": 0}}, "max_period")]:
+        with pytest.raises(InvalidRequest, match=word):
+            SamplingParams(**kw).validate(64)
