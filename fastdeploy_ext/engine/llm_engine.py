@@ -194,6 +194,12 @@ class LLMEngine:
         with self._lock:
             self._abort_pending.add(request_id)
 
+    def has_unfinished_in_engine(self) -> bool:
+        """Something queued or running (requests still preprocessing not counted)."""
+        with self._lock:
+            ready = bool(self._ready or self._abort_pending)
+        return ready or self.scheduler.has_unfinished()
+
     def has_unfinished(self) -> bool:
         with self._lock:
             busy = bool(self._ready or self._pending)

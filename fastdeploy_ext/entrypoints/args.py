@@ -115,3 +115,37 @@ def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) ->
     except ValueError as e:      # PlanError is a ValueError
         raise CliError(str(e)) from None
     return request
+
+
+# ------------------------------------------------------------------ engine (scheduler, KV pool)
+def add_engine_args(p: argparse.ArgumentParser) -> Group:
+    """The generation engine's flags (FastDeploy/vLLM names)."""
+    g = p.add_argument_group("engine (scheduler and KV cache; no prefix caching)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens per step (prefill chunks, decode)")
+    g.add_argument("--max-model-len", type=int, default=16384,
+                   help="prompt + output tokens per request (an unset max_tokens means max-model-len - prompt)")
+    g.add_argument("--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 1}\' (the default)')
+    g.add_argument("--max-encoder-patches", type=int, default=65536,
+                   help="patches in one step's packed vision pass (~6 1080p pages)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of device memory for weights, the profiled step peak and the KV pool")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool bytes on devices without a free-memory query (CPU), e.g. 2GiB; default 1GiB")
+    return g
+
+
+def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: PlanRequest):
+    """The engine flags + model source + plan -> EngineConfig (a bad value is a CliError)."""
+    from ..engine.config import EngineConfig, parse_bytes, parse_limit_mm
+    try:
+        cfg = EngineConfig(model=source.model_dir, load_format=source.load_format, model_format=source.model_format,
+                           plan=plan, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                           max_model_len=ns.max_model_len, max_encoder_patches=ns.max_encoder_patches,
+                           limit_mm_per_prompt=parse_limit_mm(ns.limit_mm_per_prompt),
+                           gpu_memory_utilization=ns.gpu_memory_utilization,
+                           kv_cache_memory=parse_bytes(ns.kv_cache_memory))
+        cfg.validate()
+    except (ValueError, TypeError) as e:
+        raise CliError(str(e)) from None
+    return cfg

@@ -13,8 +13,8 @@ import time
 from .. import envs
 from ..plan import PlanError
 from ..runner import ModelSource
-from .args import (CliError, add_model_args, add_runner_args, command_parser, model_source_from_args,
-                   plan_request_from_args, root_parser)
+from .args import (CliError, add_engine_args, add_model_args, add_runner_args, command_parser,
+                   engine_config_from_args, model_source_from_args, plan_request_from_args, root_parser)
 
 log = logging.getLogger("fastdeploy_ext")
 
@@ -122,6 +122,45 @@ def cmd_bench_vision(args) -> int:
         raise CliError(str(e)) from None
 
 
+# ---------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    """One request per --image (the prompt in the model's chat template); --json prints one JSON
+    object per image: text, token_ids (generated only), prompt_token_ids."""
+    from ..engine.errors import InvalidRequest
+    from ..engine.sampling_params import SamplingParams
+    from .llm import LLM
+    source = model_source_from_args(args)
+    config = engine_config_from_args(args, source, plan_request_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                            ignore_eos=args.ignore_eos)
+    try:
+        params.validate()
+    except InvalidRequest as e:
+        raise CliError(str(e)) from None
+    try:
+        llm = LLM.from_config(config)
+    except (PlanError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+    reqs = [{"prompt": args.prompt, "images": [path]} for path in args.image]
+    try:
+        outs = llm.generate(reqs, params, use_tqdm=False)
+    except InvalidRequest as e:
+        raise CliError(str(e)) from None
+    finally:
+        llm.shutdown()
+    for path, out in zip(args.image, outs):
+        o = out.outputs[0]
+        if args.json:
+            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_token_ids": out.prompt_token_ids}),
+                  flush=True)
+        else:
+            print(o.text, flush=True)
+        log.info("%s: %d prompt + %d generated tokens, finish_reason %s", path, len(out.prompt_token_ids),
+                 len(o.token_ids), o.finish_reason)
+    return 0
+
+
 def build_parser():
     p = root_parser("fastdeploy-ext", "Fast OCR VLM inference (PaddleOCR-VL)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,6 +176,22 @@ def build_parser():
     enc.add_argument("--output", required=True, help="output .safetensors (image_0.., grid_thw)")
     add_runner_args(enc, model=False)
     enc.set_defaults(func=cmd_encode)
+
+    gen = command_parser(sub, "generate", "OCR text of images (one request per --image)")
+    add_model_args(gen)
+    gen.add_argument("--image", action="append", required=True, help="image file (repeat: one request each)")
+    gen.add_argument("--prompt", required=True, help='the task text, e.g. "OCR:", "Table Recognition:"')
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: --max-model-len minus the prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens (benchmarks)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per image: text, token_ids, prompt_token_ids")
+    add_runner_args(gen, model=False)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
 
     bench = command_parser(sub, "bench", "benchmarks: ours vs the transformers reference, as ratios")
     bsub = bench.add_subparsers(dest="bench_target", required=True)
