@@ -7,9 +7,11 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*", "backends", "backends.*"]),
     # the conformance suite's references (tiny checkpoints, images, expected outputs; see
-    # fastdeploy_ext/conformance/references.py): the suite runs without transformers
-    package_data={"fastdeploy_ext": ["capabilities.yaml"],
-                  "fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"]},
+    # fastdeploy_ext/conformance/references.py): the suite runs without transformers. Each backend
+    # ships its capability rows next to its runner (fastdeploy_ext/capabilities.py).
+    package_data={"fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"],
+                  "backends.cuda": ["capabilities.yaml"], "backends.metax": ["capabilities.yaml"],
+                  "backends.cpu_amx": ["capabilities.yaml"]},
     install_requires=[
         "torch>=2.11,<2.14",
         "numpy",

@@ -38,7 +38,6 @@ FD_POS_EMBED_CACHE_SIZE = EnvVar("FD_POS_EMBED_CACHE_SIZE", "64",
                                  "entries of the per-(h, w) position-embedding/rotary LFU cache", int)
 
 
-
 def _bool01(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "on", "yes"):
@@ -54,4 +53,20 @@ FD_ENABLE_MAX_PREFILL = EnvVar("FD_ENABLE_MAX_PREFILL", "1",
                                "pass per step; 0: per-request image encoding and chunked prefill under "
                                "max_num_batched_tokens", _bool01)
 
-ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE, FD_ENABLE_MAX_PREFILL)
+FD_CAPABILITIES = EnvVar("FD_CAPABILITIES", "",
+                         "a YAML file of capability rows overriding the ones backends ship "
+                         "(same as --capabilities; see fastdeploy_ext/capabilities.py)")
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
+
+
+FD_EMULATE = EnvVar("FD_EMULATE", "",
+                    "comma list of backends to run in their emulation mode (e.g. metax: a fake SDK, no card; "
+                    "every probe, plan and report then says EMULATED)", _names)
+FD_CPUINFO = EnvVar("FD_CPUINFO", "/proc/cpuinfo",
+                    "the cpuinfo file the CPU probe reads (point it at a recorded one to simulate another CPU)")
+
+ALL = (FD_LOG_LEVEL, FD_MAX_IMAGE_PIXELS, FD_POS_EMBED_CACHE_SIZE, FD_ENABLE_MAX_PREFILL, FD_CAPABILITIES, FD_EMULATE,
+       FD_CPUINFO)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 import yaml
@@ -48,6 +47,7 @@ class CapabilityRow:
     compile_default: bool
     fused_supported: bool = False
     fused_default: bool = False
+    source: str = field(default="", compare=False)   # the file it came from (fastdeploy_ext/capabilities.py)
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
@@ -62,10 +62,9 @@ class CapabilityRow:
 
 
 @lru_cache(maxsize=None)
-def load_table(text: str | None = None) -> dict[str, CapabilityRow]:
-    """The built-in table (or ``text``, YAML with the same schema, for vendors and tests)."""
-    if text is None:
-        text = resources.files("fastdeploy_ext").joinpath("capabilities.yaml").read_text()
+def load_table(text: str) -> dict[str, CapabilityRow]:
+    """Rows parsed from YAML ``text`` (schema: fastdeploy_ext/capabilities.py, which also
+    assembles the table the runners use from every backend's shipped rows)."""
     data = yaml.safe_load(text)
     return {name: CapabilityRow.from_dict(name, d) for name, d in data["rows"].items()}
 
@@ -151,6 +150,7 @@ class PlanRequest:
     compile_layers: str = "auto"
     fused_layers: str = "auto"
     graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+    capabilities: str | None = None      # --capabilities FILE.yaml: rows overriding the shipped ones
 
     def validate(self) -> None:
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),

@@ -7,6 +7,7 @@ filled lazily from entry points.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -91,6 +92,21 @@ class DeviceRunner(ABC):
         self.plan, self.probe_result = plan, probe
 
     # -------------------------------------------------------------- class level
+    @classmethod
+    def capabilities_resource(cls):
+        """Where this backend's capability rows are (a file or importlib.resources Traversable
+        holding YAML), or None when it ships none. Default: ``capabilities.yaml`` in the package
+        of the module defining the class. Schema and override rules: fastdeploy_ext/capabilities.py."""
+        from .capabilities import default_capabilities_resource
+        return default_capabilities_resource(cls)
+
+    @classmethod
+    def emulation(cls) -> "contextlib.AbstractContextManager | None":
+        """A context inside which this backend runs without its hardware (e.g. a fake vendor SDK
+        installed for the probe, results marked emulated), or None when the backend cannot be
+        emulated. The conformance suite and ``FD_EMULATE`` use it; neither knows any vendor SDK."""
+        return None
+
     @classmethod
     @abstractmethod
     def probe(cls) -> "ProbeResult":
@@ -179,6 +195,19 @@ def choose_device(device: str) -> tuple[type[DeviceRunner], "ProbeResult", str]:
             return cls, probe, f"auto: first present of {order}" + (f" (skipped: {'; '.join(seen)})" if seen else "")
         seen.append(f"{name}: {probe.reason}")
     raise RuntimeError("--device auto: no usable device: " + "; ".join(seen))
+
+
+def emulated_backends(names: Sequence[str]) -> contextlib.ExitStack:
+    """Enter the emulation context of each named backend (``FD_EMULATE``); close the returned
+    stack to leave them. A name that is not registered, or a backend without emulation, is an error."""
+    stack = contextlib.ExitStack()
+    for name in names:
+        ctx = get_backend_class(name).emulation()
+        if ctx is None:
+            stack.close()
+            raise ValueError(f"FD_EMULATE: backend {name!r} offers no emulation mode")
+        stack.enter_context(ctx)
+    return stack
 
 
 def create_runner(request: PlanRequest) -> DeviceRunner:

@@ -19,7 +19,8 @@ from .models.paddleocr_vl.loader import build_vision_model, load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
 from .ops.attention import ATTENTION_BACKENDS, get_backend
-from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, load_table, resolve_plan
+from .capabilities import capability_table
+from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard
 
@@ -96,8 +97,10 @@ class TorchRunner(DeviceRunner):
         probe = probe or cls.probe()
         if not probe.present:
             raise RuntimeError(f"{cls.name}: device not present: {probe.reason}")
-        table = table or load_table()
+        table = table or capability_table(request.capabilities)
         row, row_reason = cls.select_row(probe, table)
+        if row.source:
+            row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
         available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
         plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
@@ -106,7 +109,7 @@ class TorchRunner(DeviceRunner):
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):
         super().__init__(plan, probe)
-        self.row = row or load_table()[plan.row]
+        self.row = row or capability_table()[plan.row]
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
         self.model = None

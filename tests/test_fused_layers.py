@@ -18,7 +18,8 @@ from fastdeploy_ext.models.paddleocr_vl.vision import VisionEncoder, VisionExecu
 from fastdeploy_ext.ops import triton_attention as ta
 from fastdeploy_ext.ops import triton_fused as tf
 from fastdeploy_ext.ops.attention import get_backend
-from fastdeploy_ext.plan import PlanError, PlanRequest, load_table, resolve_plan
+from fastdeploy_ext.capabilities import capability_table
+from fastdeploy_ext.plan import PlanError, PlanRequest, resolve_plan
 
 _REPO = Path(__file__).resolve().parents[1]
 ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
@@ -165,7 +166,7 @@ def test_fused_encoder_matches_eager():
 
 # ----------------------------------------------------------------------- plan decision
 def test_fused_layers_plan_decision():
-    t = load_table()
+    t = capability_table()
     p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
     assert p.fused_layers.value is True and "default of row cuda_sm90" in p.fused_layers.reason
     p = resolve_plan(t["cuda_sm90"], PlanRequest(compile_layers="on"), device="cuda:0", head_dim=72,

@@ -4,21 +4,22 @@ from __future__ import annotations
 import pytest
 
 from fastdeploy_ext.graphs import pack_groups, route_batch
-from fastdeploy_ext.plan import (EncoderGraphPath, GraphOptimizationConfig, PlanError, PlanRequest, load_table,
+from fastdeploy_ext.capabilities import capability_table
+from fastdeploy_ext.plan import (EncoderGraphPath, GraphOptimizationConfig, PlanError, PlanRequest,
                                  resolve_plan)
 
 ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
 
 
 def test_table_has_the_four_device_families():
-    t = load_table()
+    t = capability_table()
     assert {"cuda_sm90", "cuda_sm80", "metax_c500", "cpu_amx", "cpu"} <= set(t)
     for row in t.values():
         assert row.default_dtype in row.dtypes and row.attention
 
 
 def test_h200_plan():
-    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
     assert p.dtype.value == "bfloat16" and p.attention.value == "triton_varlen_rope"
     assert p.strided_qkv and p.host_metadata and p.graphs.value and not p.compile_layers.value
     assert p.attention_fallbacks == ("triton_varlen", "sdpa_cudnn", "sdpa")
@@ -27,23 +28,23 @@ def test_h200_plan():
 def test_h200_without_triton_falls_back_and_turns_graphs_off():
     avail = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"),
                  triton_varlen_rope=(False, "triton not importable"))
-    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=avail)
+    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=avail)
     assert p.attention.value == "sdpa_cudnn"
     assert any("triton_varlen skipped" in n and "triton not importable" in n for n in p.notes)
     assert p.graphs.value == () and "cannot be replayed" in p.graphs.reason
     with pytest.raises(PlanError, match="cuda_sm90"):
-        resolve_plan(load_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True)),
+        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True)),
                      device="cuda:0", head_dim=72, available=avail)
 
 
 def test_fp32_on_h200_skips_bf16_only_kernels():
-    p = resolve_plan(load_table()["cuda_sm90"], PlanRequest(dtype="float32"), device="cuda:0", head_dim=72,
+    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(dtype="float32"), device="cuda:0", head_dim=72,
                      available=ALL_AVAILABLE)
     assert p.attention.value == "sdpa"
 
 
 def test_metax_row_is_dense_host_graphs_opt_in():
-    row = load_table()["metax_c500"]
+    row = capability_table()["metax_c500"]
     p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
     assert p.qkv_layout.value == "dense" and "does not read strided" in p.qkv_layout.reason
     assert p.host_metadata and p.graphs.value == () and p.emulated and "EMULATED" in p.describe()
@@ -53,12 +54,12 @@ def test_metax_row_is_dense_host_graphs_opt_in():
 
 def test_head_dim_outside_every_kernel_is_an_error():
     with pytest.raises(PlanError, match="cuda_sm90"):
-        resolve_plan(load_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=1024, available=ALL_AVAILABLE)
+        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=1024, available=ALL_AVAILABLE)
 
 
 def test_bad_flag_values_are_plan_errors():
     with pytest.raises(PlanError, match="qkv-layout"):
-        resolve_plan(load_table()["cpu"], PlanRequest(qkv_layout="diagonal"), device="cpu", head_dim=72,
+        resolve_plan(capability_table()["cpu"], PlanRequest(qkv_layout="diagonal"), device="cpu", head_dim=72,
                      available=ALL_AVAILABLE)
 
 
@@ -99,7 +100,7 @@ def test_oversize_batches_run_eager_unless_split():
 
 
 def test_metax_graph_opt_in_switches_to_the_graph_safe_kernel():
-    row = load_table()["metax_c500"]
+    row = capability_table()["metax_c500"]
     req = PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True))
     p = resolve_plan(row, req, device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
     assert p.attention.value == "triton_varlen" and "graph-safe" in p.attention.reason

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..plan import EncoderGraphPath, GraphOptimizationConfig, load_table
+from ..capabilities import capability_table
+from ..plan import EncoderGraphPath, GraphOptimizationConfig
 
 
 def _row(backend_cls):
-    return backend_cls.select_row(backend_cls.probe(), load_table())[0]
+    return backend_cls.select_row(backend_cls.probe(), capability_table())[0]
 
 
 def test_rows_without_graphs_report_none(backend_cls, make_runner, tiny_models):

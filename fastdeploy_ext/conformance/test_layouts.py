@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..plan import PlanError, load_table
+from ..capabilities import capability_table
+from ..plan import PlanError
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def batch(tiny_models, batch_for):
 def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
     dense = make_runner(tiny_models["torch"], qkv_layout="dense")
     backend = dense.plan.attention.value
-    entry = {e.backend: e for e in load_table()[dense.plan.row].attention}[backend]
+    entry = {e.backend: e for e in capability_table()[dense.plan.row].attention}[backend]
     if not entry.reads_strides:
         # the row forbids strided for its kernel: forcing it must be a clear error naming the row
         with pytest.raises(PlanError, match=dense.plan.row):

@@ -53,8 +53,8 @@ def test_shipped_reference_is_transformers_output(expected, references):
 
 
 def _dtypes(backend_cls):
-    from ..plan import load_table
-    row, _ = backend_cls.select_row(backend_cls.probe(), load_table())
+    from ..capabilities import capability_table
+    row, _ = backend_cls.select_row(backend_cls.probe(), capability_table())
     return row.dtypes
 
 

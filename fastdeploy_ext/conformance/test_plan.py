@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 
 from ..ops.attention import ATTENTION_BACKENDS
-from ..plan import GraphOptimizationConfig, PlanError, PlanRequest, load_table
+from ..capabilities import capability_table
+from ..plan import GraphOptimizationConfig, PlanError, PlanRequest
 
 
 @pytest.fixture(scope="module")
 def row(backend_cls):
-    row, reason = backend_cls.select_row(backend_cls.probe(), load_table())
+    row, reason = backend_cls.select_row(backend_cls.probe(), capability_table())
     assert row.runner in (backend_cls.name, getattr(backend_cls, "name", None)) or backend_cls.forced_row
     assert reason
     return row

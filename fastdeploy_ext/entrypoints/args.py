@@ -90,6 +90,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
                    help="torch.compile the non-attention halves of each encoder layer")
     g.add_argument("--fused-layers", default="auto", choices=SWITCHES,
                    help="Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM (CUDA)")
+    g.add_argument("--capabilities", default=None, metavar="FILE.yaml",
+                   help="capability rows overriding the ones the backends ship (also FD_CAPABILITIES; "
+                        "schema in fastdeploy_ext/capabilities.py)")
     g.add_argument("--graph-optimization-config", default=None,
                    help='JSON, e.g. \'{"use_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
                         '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'')
@@ -110,7 +113,7 @@ def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) ->
         gc = GraphOptimizationConfig.from_json(ns.graph_optimization_config)
         request = PlanRequest(device=device or ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
                               qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw, compile_layers=ns.compile_layers,
-                              fused_layers=ns.fused_layers, graph_config=gc)
+                              fused_layers=ns.fused_layers, graph_config=gc, capabilities=ns.capabilities)
         request.validate()
     except ValueError as e:      # PlanError is a ValueError
         raise CliError(str(e)) from None

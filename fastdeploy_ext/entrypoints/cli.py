@@ -58,6 +58,14 @@ def cmd_info(args) -> int:
     print("fastdeploy_ext info")
     print("backends:", ", ".join(sorted(backends)))
     print("environment:", ", ".join(f"{v.name}={v.get()}" for v in envs.ALL))
+    from ..capabilities import capability_table
+    try:
+        table = capability_table(args.capabilities)
+    except PlanError as e:
+        raise CliError(str(e)) from None
+    print("capability rows:")
+    for name, row in table.items():
+        print(f"  {name:<12} runner={row.runner:<8} from {row.source}")
     print("probes:")
     for name, cls in sorted(backends.items()):
         print(f"  {name:<8} {cls.probe().summary()}")
@@ -219,7 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        from ..runner import emulated_backends
+        try:
+            emulation = emulated_backends(envs.FD_EMULATE.get())
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        with emulation:     # FD_EMULATE=metax: the backend's own fakes, for this command only
+            return args.func(args)
     except CliError as e:
         print(f"fastdeploy-ext {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,172 @@
+"""The capability table: which rows exist, and where each one came from.
+
+Every backend ships its own rows; the framework ships none and names no device. The table is
+assembled when a runner is created (nothing is read at import time):
+
+1. **Shipped rows.** For each backend registered under the entry-point group
+   ``fastdeploy_ext.backends`` (built-ins and out-of-tree vendors alike), the YAML file returned
+   by ``BackendClass.capabilities_resource()``. The default is ``capabilities.yaml`` in the
+   package of the module that defines the runner class: for ``my_pkg.runner:MyRunner`` that is
+   ``my_pkg/capabilities.yaml`` — ship it as package data (``package_data={"my_pkg":
+   ["capabilities.yaml"]}``). Override the classmethod to ship rows from elsewhere, or return
+   None to ship none. Two entry points of one package (``cpu_amx`` and ``cpu``) read the file once.
+   Rows keep their file order; across backends, entry-point order.
+2. **Override file.** ``--capabilities FILE.yaml`` (``PlanRequest.capabilities``), else the
+   ``FD_CAPABILITIES`` environment variable, names a YAML file in the same schema. A row whose
+   name already exists is updated key by key (each top-level key given replaces the shipped one;
+   keys the schema does not know are an error); a new row must be complete and is placed ahead of
+   the shipped rows, so it matches first.
+
+Errors (missing file, bad YAML, incomplete row, unknown key) raise :class:`CapabilityError`,
+a ``PlanError`` naming the file and the row. Each row records its origin in ``row.source``;
+the plan's notes and ``fastdeploy-ext info`` show it.
+
+Schema (one entry under ``rows:`` per device family)::
+
+    rows:
+      my_row:                          # the name plans and errors report
+        runner: myvendor               # the backend (entry-point name) that may pick this row
+        match: {...}                   # free-form; read by that runner's row_matches()
+        dtypes: [bfloat16, float32]    # what --dtype may ask for
+        default_dtype: bfloat16
+        attention:                     # attention backends in preference order
+          - {backend: sdpa, reads_strides: true, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
+        host_grid_thw: true            # metadata from host ints (zero device syncs) is supported
+        graphs: {kinds: [encoder], default: false}    # capture kinds and whether on by default
+        compile_layers: {supported: false, default: false}
+        fused_layers: {supported: false, default: false}   # optional (absent = unsupported)
+
+(``attention`` entries name backends of ``fastdeploy_ext/ops/attention.py``; ``reads_strides``
+says whether the kernel honours explicit q/k/v strides on this device.)
+
+API: :func:`capability_table` (the assembled table), :func:`shipped_rows` (one backend's rows).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from . import envs
+from .plan import CapabilityRow, PlanError
+
+__all__ = ["CapabilityError", "capability_table", "default_capabilities_resource", "shipped_rows"]
+
+
+class CapabilityError(PlanError):
+    """A capability file is missing, unreadable or malformed; names the file and the row."""
+
+
+def default_capabilities_resource(cls) -> Any | None:
+    """``capabilities.yaml`` next to the module defining ``cls`` (its package), or None."""
+    module = sys.modules.get(cls.__module__)
+    package = getattr(module, "__package__", None) or ""
+    if not package:
+        return None
+    try:
+        res = resources.files(package).joinpath("capabilities.yaml")
+    except (ModuleNotFoundError, TypeError):
+        return None
+    return res if res.is_file() else None
+
+
+def _read(resource: Any, origin: str) -> dict[str, dict]:
+    try:
+        text = resource.read_text() if hasattr(resource, "read_text") else Path(resource).read_text()
+    except OSError as e:
+        raise CapabilityError(f"capability file {origin}: cannot read it: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CapabilityError(f"capability file {origin}: not valid YAML: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict):
+        raise CapabilityError(f"capability file {origin}: needs a top-level 'rows:' mapping of row name -> row")
+    for name, row in data["rows"].items():
+        if not isinstance(row, dict):
+            raise CapabilityError(f"capability file {origin}: row {name!r} must be a mapping, got {type(row).__name__}")
+    return {str(k): dict(v) for k, v in data["rows"].items()}
+
+
+def _build(name: str, raw: dict, source: str) -> CapabilityRow:
+    try:
+        row = CapabilityRow.from_dict(name, raw)
+    except KeyError as e:
+        raise CapabilityError(f"capability row {name} ({source}): missing key {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CapabilityError(f"capability row {name} ({source}): malformed: {e}") from None
+    if row.default_dtype not in row.dtypes:
+        raise CapabilityError(f"capability row {name} ({source}): default_dtype {row.default_dtype} "
+                              f"is not in its dtypes {list(row.dtypes)}")
+    return dataclasses.replace(row, source=source)
+
+
+def _origin(resource: Any) -> str:
+    """A short, stable name for a shipped file: package-relative when possible."""
+    path = str(resource)
+    for entry in sorted(sys.path, key=len, reverse=True):
+        if entry and path.startswith(entry.rstrip("/") + "/"):
+            return path[len(entry.rstrip("/")) + 1:]
+    return path
+
+
+def _shipped_raw(backends: Iterable[type]) -> list[tuple[str, dict, str]]:
+    out: list[tuple[str, dict, str]] = []
+    seen_files: set[str] = set()
+    owner: dict[str, str] = {}
+    for cls in backends:
+        resource = cls.capabilities_resource()
+        if resource is None or str(resource) in seen_files:
+            continue
+        seen_files.add(str(resource))
+        origin = _origin(resource)
+        for name, raw in _read(resource, origin).items():
+            if name in owner:
+                raise CapabilityError(f"capability row {name} is shipped twice: by {owner[name]} and by {origin}")
+            owner[name] = origin
+            out.append((name, raw, origin))
+    return out
+
+
+def shipped_rows(cls) -> dict[str, CapabilityRow]:
+    """The rows one backend class ships (no override applied)."""
+    return {name: _build(name, raw, origin) for name, raw, origin in _shipped_raw([cls])}
+
+
+def capability_table(override: str | None = None, backends: Iterable[type] | None = None
+                     ) -> dict[str, CapabilityRow]:
+    """Shipped rows of ``backends`` (default: every registered backend), then the override file
+    ``override`` (default: ``FD_CAPABILITIES``; empty: none) applied as the module docstring says."""
+    if backends is None:
+        from .runner import available_backends     # the registry imports this module's users
+        backends = available_backends().values()
+    shipped = _shipped_raw(backends)
+    if override is None:
+        override = envs.FD_CAPABILITIES.get()
+    if not override:
+        return {name: _build(name, raw, origin) for name, raw, origin in shipped}
+
+    known_keys = {k for _, raw, _ in shipped for k in raw}
+    rows = {name: (raw, origin) for name, raw, origin in shipped}
+    added: dict[str, tuple[dict, str]] = {}
+    path = Path(override)
+    if not path.is_file():
+        raise CapabilityError(f"capability override {override}: no such file (from --capabilities or FD_CAPABILITIES)")
+    for name, raw in _read(path, str(path)).items():
+        if name in rows:
+            unknown = sorted(set(raw) - known_keys)
+            if unknown:
+                raise CapabilityError(f"capability override {path}: row {name}: unknown keys {unknown} "
+                                      f"(known: {sorted(known_keys)})")
+            base, origin = rows[name]
+            rows[name] = ({**base, **raw}, f"{origin}, overridden by {path} ({', '.join(sorted(raw))})")
+        else:
+            unknown = sorted(set(raw) - known_keys) if known_keys else []
+            if unknown:
+                raise CapabilityError(f"capability override {path}: new row {name}: unknown keys {unknown} "
+                                      f"(known: {sorted(known_keys)})")
+            added[name] = (raw, f"{path} (added)")
+    return {name: _build(name, raw, origin) for name, (raw, origin) in {**added, **rows}.items()}
