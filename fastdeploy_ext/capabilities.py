@@ -35,9 +35,14 @@ Schema (one entry under ``rows:`` per device family)::
         graphs: {kinds: [encoder], default: false}    # capture kinds and whether on by default
         compile_layers: {supported: false, default: false}
         fused_layers: {supported: false, default: false}   # optional (absent = unsupported)
+        text_attention:                # optional: the text decoder's paged attention backends
+          - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
+        kv_block_size: 16              # optional: tokens per KV block (default 16)
 
 (``attention`` entries name backends of ``fastdeploy_ext/ops/attention.py``; ``reads_strides``
-says whether the kernel honours explicit q/k/v strides on this device.)
+says whether the kernel honours explicit q/k/v strides on this device. ``text_attention``
+entries name backends of ``fastdeploy_ext/ops/paged_attention.py``; ``graph_safe`` there means
+the decode can be captured, which the `decoder` graph kind needs.)
 
 API: :func:`capability_table` (the assembled table), :func:`shipped_rows` (one backend's rows).
 """

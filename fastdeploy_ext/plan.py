@@ -33,6 +33,20 @@ class AttentionEntry:
 
 
 @dataclass(frozen=True)
+class TextAttentionEntry:
+    """A paged attention backend of the text decoder (ops/paged_attention.py)."""
+    backend: str
+    head_dims: tuple[int, int]
+    dtypes: tuple[str, ...]
+    graph_safe: bool = False      # its decode can be captured in a CUDA graph
+
+
+# rows that predate the text decoder (e.g. a vendor's own YAML) get the portable backend
+DEFAULT_TEXT_ATTENTION = (TextAttentionEntry("sdpa_paged", (1, 512), ("float32", "bfloat16", "float16")),)
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
 class CapabilityRow:
     name: str
     runner: str
@@ -48,6 +62,8 @@ class CapabilityRow:
     fused_supported: bool = False
     fused_default: bool = False
     source: str = field(default="", compare=False)   # the file it came from (fastdeploy_ext/capabilities.py)
+    text_attention: tuple[TextAttentionEntry, ...] = DEFAULT_TEXT_ATTENTION
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
@@ -58,7 +74,12 @@ class CapabilityRow:
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
                    bool(d["compile_layers"]["supported"]), bool(d["compile_layers"]["default"]),
                    bool(d.get("fused_layers", {}).get("supported", False)),
-                   bool(d.get("fused_layers", {}).get("default", False)))
+                   bool(d.get("fused_layers", {}).get("default", False)),
+                   text_attention=tuple(TextAttentionEntry(a["backend"], tuple(a["head_dims"]), tuple(a["dtypes"]),
+                                                           bool(a.get("graph_safe", False)))
+                                        for a in d["text_attention"]) if d.get("text_attention")
+                   else DEFAULT_TEXT_ATTENTION,
+                   kv_block_size=int(d.get("kv_block_size", DEFAULT_KV_BLOCK_SIZE)))
 
 
 @lru_cache(maxsize=None)
@@ -102,15 +123,27 @@ DEFAULT_GRAPH_PATHS = (
 )
 
 
+# Decode graphs per batch-size bucket (a batch pads to the smallest bucket that holds it): dense
+# where batches are small, coarser above, up to the default max_num_seqs.
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
 @dataclass(frozen=True)
 class GraphOptimizationConfig:
-    """`--graph-optimization-config` JSON, FastDeploy style: ``use_cudagraph`` plus our keys
-    ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens, max_segments})
-    and ``encoder_split_oversize_batches`` (pack batches larger than every budget into several
-    replays instead of one eager pass)."""
-    use_cudagraph: bool | None = None          # None: the row's default
+    """`--graph-optimization-config` JSON. FastDeploy's keys keep FastDeploy's meaning:
+    ``use_cudagraph`` (decoder graphs) and ``cudagraph_capture_sizes`` (the decode batch sizes
+    captured). The vision encoder's graphs have their own keys: ``use_encoder_cudagraph``,
+    ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens,
+    max_segments}) and ``encoder_split_oversize_batches`` (pack batches larger than every budget
+    into several replays instead of one eager pass). None: the row's default."""
+    use_cudagraph: bool | None = None
+    cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    use_encoder_cudagraph: bool | None = None
     encoder_graph_paths: tuple[EncoderGraphPath, ...] = DEFAULT_GRAPH_PATHS
     encoder_split_oversize_batches: bool = False
+
+    KEYS = ("use_cudagraph", "cudagraph_capture_sizes", "use_encoder_cudagraph", "encoder_graph_paths",
+            "encoder_split_oversize_batches")
 
     @classmethod
     def from_json(cls, text: str | None) -> "GraphOptimizationConfig":
@@ -122,10 +155,9 @@ class GraphOptimizationConfig:
             raise ValueError(f"--graph-optimization-config is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError("--graph-optimization-config must be a JSON object")
-        known = {"use_cudagraph", "encoder_graph_paths", "encoder_split_oversize_batches"}
-        unknown = set(d) - known
+        unknown = set(d) - set(cls.KEYS)
         if unknown:
-            raise ValueError(f"--graph-optimization-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"--graph-optimization-config: unknown keys {sorted(unknown)}; known: {sorted(cls.KEYS)}")
         paths = DEFAULT_GRAPH_PATHS
         if "encoder_graph_paths" in d:
             try:
@@ -134,8 +166,19 @@ class GraphOptimizationConfig:
                 raise ValueError(f"--graph-optimization-config encoder_graph_paths: {e}") from None
             for p in paths:
                 p.validate()
-        use = d.get("use_cudagraph")
-        return cls(None if use is None else bool(use), paths, bool(d.get("encoder_split_oversize_batches", False)))
+        sizes = DEFAULT_CAPTURE_SIZES
+        if "cudagraph_capture_sizes" in d:
+            sizes = d["cudagraph_capture_sizes"]
+            if (not isinstance(sizes, list) or not sizes
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes)):
+                raise ValueError("--graph-optimization-config cudagraph_capture_sizes must be a non-empty list of "
+                                 f"positive integers, got {sizes!r}")
+            sizes = tuple(sorted(set(sizes)))
+
+        def switch(key):
+            return None if d.get(key) is None else bool(d[key])
+        return cls(switch("use_cudagraph"), sizes, switch("use_encoder_cudagraph"), paths,
+                   bool(d.get("encoder_split_oversize_batches", False)))
 
 
 # ------------------------------------------------------------------------ the request
@@ -151,6 +194,7 @@ class PlanRequest:
     fused_layers: str = "auto"
     graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
     capabilities: str | None = None      # --capabilities FILE.yaml: rows overriding the shipped ones
+    text_attention_backend: str = "auto"
 
     def validate(self) -> None:
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),
@@ -181,6 +225,9 @@ class RunPlan:
     graphs: Decision             # value: tuple of EncoderGraphPath, () when off
     compile_layers: Decision
     fused_layers: Decision = Decision(False, "not requested")
+    text_attention: Decision = Decision("sdpa_paged", "default")
+    kv_block_size: Decision = Decision(DEFAULT_KV_BLOCK_SIZE, "default")
+    decode_graphs: Decision = Decision((), "off")     # value: decode batch sizes captured, () when off
     notes: tuple[str, ...] = ()
     graph_split_oversize: bool = False
 
@@ -195,7 +242,8 @@ class RunPlan:
     def decisions(self) -> dict[str, Decision]:
         return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
                 "grid_thw": self.grid_thw, "graphs": self.graphs, "compile_layers": self.compile_layers,
-                "fused_layers": self.fused_layers}
+                "fused_layers": self.fused_layers, "text_attention": self.text_attention,
+                "kv_block_size": self.kv_block_size, "decode_graphs": self.decode_graphs}
 
     def describe(self) -> str:
         tag = " [EMULATED]" if self.emulated else ""
@@ -204,6 +252,8 @@ class RunPlan:
             v = d.value
             if k == "graphs":
                 v = ", ".join(f"{p.name}{list(p.budgets)}" for p in v) if v else "off"
+            elif k == "decode_graphs":
+                v = f"batch sizes {list(v)}" if v else "off"
             lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
         if self.attention_fallbacks:
             lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
@@ -217,10 +267,67 @@ class RunPlan:
 
 
 # --------------------------------------------------------------------------- resolve
+def resolve_text_attention(row: CapabilityRow, requested: str, *, dtype: str, head_dim: int,
+                           available: dict[str, tuple[bool, str]], notes: list[str]) -> Decision:
+    """The paged attention backend of the text decoder: the row's preference order filtered by
+    head_dim, dtype and run-time presence (a forced one that cannot run is a PlanError)."""
+    def usable(e: TextAttentionEntry) -> str | None:
+        if not e.head_dims[0] <= head_dim <= e.head_dims[1]:
+            return f"head_dim {head_dim} outside {list(e.head_dims)}"
+        if dtype not in e.dtypes:
+            return f"dtype {dtype} not in {list(e.dtypes)}"
+        ok, why = available.get(e.backend, (False, "not registered"))
+        return None if ok else f"kernel unavailable: {why}"
+
+    if requested != "auto":
+        e = next((e for e in row.text_attention if e.backend == requested), None)
+        if e is None:
+            raise PlanError(f"row {row.name} does not list text attention backend {requested!r}; "
+                            f"it lists {', '.join(e.backend for e in row.text_attention)}")
+        why = usable(e)
+        if why:
+            raise PlanError(f"row {row.name}: text attention backend {requested} cannot run here: {why}")
+        return Decision(requested, "requested")
+    skipped = []
+    for e in row.text_attention:
+        why = usable(e)
+        if why is None:
+            reason = f"first usable in row {row.name} text preference order"
+            return Decision(e.backend, reason + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+        skipped.append(f"{e.backend}: {why}")
+        notes.append(f"text attention {e.backend} skipped: {why}; falling back")
+    raise PlanError(f"row {row.name}: no text attention backend can run here ({'; '.join(skipped)})")
+
+
+def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text_backend: str) -> Decision:
+    """Decoder CUDA graphs per batch-size bucket: on where the row lists the `decoder` graph kind
+    (by default when the row's graphs are on by default) and the text backend's decode is graph
+    safe; ``use_cudagraph`` forces them on (a PlanError naming the row where impossible) or off."""
+    forced = gc.use_cudagraph
+    if forced and "decoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no decoder graph capture "
+                        f"(graph kinds: {list(row.graph_kinds) or 'none'})")
+    if forced is False:
+        return Decision((), "use_cudagraph=false")
+    if forced is None and not ("decoder" in row.graph_kinds and row.graphs_default):
+        return Decision((), f"row {row.name} has no decoder graphs by default (eager decode)")
+    entry = next(e for e in row.text_attention if e.backend == text_backend)
+    if not entry.graph_safe:
+        if forced:
+            raise PlanError(f"row {row.name}: decoder graphs need a graph-safe text attention backend, "
+                            f"plan chose {text_backend}")
+        return Decision((), f"{text_backend} decode cannot be captured (its grid depends on the step)")
+    why = "requested" if forced else f"on by default on row {row.name}: decode is launch-bound (18 layers eager)"
+    return Decision(tuple(gc.cudagraph_capture_sizes), why)
+
+
 def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_dim: int,
                  available: dict[str, tuple[bool, str]], emulated: bool = False,
-                 consumers_needing_dense: tuple[str, ...] = (), row_reason: str = "") -> RunPlan:
-    """``available``: backend name -> (present, reason) as probed at run time on this device.
+                 consumers_needing_dense: tuple[str, ...] = (), row_reason: str = "",
+                 text_head_dim: int = 128, text_available: dict[str, tuple[bool, str]] | None = None) -> RunPlan:
+    """``available``: vision backend name -> (present, reason) as probed at run time on this
+    device; ``text_available`` the same for the text decoder's paged backends (None: probe them
+    here on ``device``).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
     contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
     request.validate()
@@ -269,7 +376,7 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         chosen = candidates[0]
         att_reason = f"first usable in row {row.name} preference order"
         graph_safe = [e for e in candidates if e.graph_safe]
-        if gc.use_cudagraph and not chosen.graph_safe and graph_safe:
+        if gc.use_encoder_cudagraph and not chosen.graph_safe and graph_safe:
             # graphs explicitly requested (e.g. the MetaX opt-in): the replay needs a fixed grid
             chosen = graph_safe[0]
             att_reason = f"encoder graphs requested: first graph-safe backend of row {row.name}"
@@ -301,24 +408,24 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         grid = Decision("device", f"row {row.name} has no host metadata path")
 
     # graphs
-    if gc.use_cudagraph and "encoder" not in row.graph_kinds:
+    if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
         raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
-    want = row.graphs_default if gc.use_cudagraph is None else gc.use_cudagraph
+    want = row.graphs_default if gc.use_encoder_cudagraph is None else gc.use_encoder_cudagraph
     graph_safe = [e for e in row.attention if e.graph_safe and not usable(e)]
     if not want:
-        graphs = Decision((), "off by default on row " + row.name if gc.use_cudagraph is None else "use_cudagraph=false")
+        graphs = Decision((), "off by default on row " + row.name if gc.use_encoder_cudagraph is None else "use_encoder_cudagraph=false")
     elif not chosen.graph_safe:
-        if gc.use_cudagraph:
+        if gc.use_encoder_cudagraph:
             raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
                             f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
         graphs = Decision((), f"{chosen.backend} cannot be replayed over padded budgets")
     elif grid.value != "host":
-        if gc.use_cudagraph:
+        if gc.use_encoder_cudagraph:
             raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
         graphs = Decision((), "graphs need host metadata")
     else:
         graphs = Decision(tuple(gc.encoder_graph_paths),
-                          "requested" if gc.use_cudagraph else f"on by default on row {row.name}")
+                          "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
 
     # compile the non-attention halves of each layer
     if request.compile_layers == "on" and not row.compile_supported:
@@ -352,7 +459,25 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     else:
         fused = Decision(True, f"default of row {row.name}")
 
+    # the text decoder's paged attention and the KV block size of this row
+    if text_available is None:
+        import torch
+
+        from .ops.paged_attention import PAGED_ATTENTION_BACKENDS
+        try:
+            dev = torch.device(device)
+        except RuntimeError:      # a device name torch does not know: only the portable backend
+            dev = None
+        text_available = {n: b.available(dev) if dev is not None else
+                          (n == "sdpa_paged", f"device {device!r} is unknown to torch")
+                          for n, b in PAGED_ATTENTION_BACKENDS.items()}
+    text_att = resolve_text_attention(row, request.text_attention_backend, dtype=dtype.value, head_dim=text_head_dim,
+                                      available=text_available, notes=notes)
+    kv_bs = Decision(row.kv_block_size, f"row {row.name}")
+    decode_graphs = resolve_decode_graphs(row, gc, text_att.value)
+
     return RunPlan(runner=row.runner, row=row.name, device=device, emulated=emulated, dtype=dtype,
                    attention=attention, attention_fallbacks=fallbacks, qkv_layout=qkv, grid_thw=grid,
-                   graphs=graphs, compile_layers=comp, fused_layers=fused, notes=tuple(notes),
+                   graphs=graphs, compile_layers=comp, fused_layers=fused, text_attention=text_att,
+                   kv_block_size=kv_bs, decode_graphs=decode_graphs, notes=tuple(notes),
                    graph_split_oversize=gc.encoder_split_oversize_batches)

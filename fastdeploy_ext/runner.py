@@ -19,6 +19,7 @@ import torch
 from .plan import CapabilityRow, PlanRequest, RunPlan
 
 if TYPE_CHECKING:
+    from .engine.step import KVCacheSpec, StepBatch
     from .platforms import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,8 @@ class GraphReport:
 
 
 class DeviceRunner(ABC):
-    """Runs the vision path (encoder + projector) of a model on one device.
-
-    The generation engine extends this interface when it lands; no methods exist for it yet.
-    """
+    """Runs a model on one device: the vision path (encoder + projector) and the text decoder
+    over a paged KV cache, one StepBatch at a time (engine/step.py is the scheduler's side)."""
 
     name: ClassVar[str]
 
@@ -125,8 +124,10 @@ class DeviceRunner(ABC):
 
     # ----------------------------------------------------------- instance level
     @abstractmethod
-    def load_model(self, model_dir: str | None, *, load_format: str = "auto", model_format: str = "auto"):
-        """Load weights (or random ones for load_format='dummy'); returns a LoadReport."""
+    def load_model(self, model_dir: str | None, *, load_format: str = "auto", model_format: str = "auto",
+                   with_text: bool = False):
+        """Load weights (or random ones for load_format='dummy'); returns a LoadReport. With
+        ``with_text`` also the text decoder, the tokenizer and the chat template."""
 
     @abstractmethod
     def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
@@ -136,6 +137,34 @@ class DeviceRunner(ABC):
     @abstractmethod
     def capture_graphs(self) -> GraphReport:
         """Capture what the plan asks for (no-op report when graphs are off)."""
+
+    # ---------------------------------------------------------- generation
+    @abstractmethod
+    def kv_cache_spec(self) -> "KVCacheSpec":
+        """What one KV block costs (block size from the capability row)."""
+
+    @abstractmethod
+    def profile_peak_memory(self, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
+        """Bytes of activations a full step needs (vision pass + prefill), weights and KV excluded;
+        measured where the allocator reports it, estimated otherwise. Call before init_kv_cache."""
+
+    @abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks (ids 0..num_blocks-1 for the block tables)."""
+
+    @abstractmethod
+    def free_kv_cache(self) -> None:
+        """Release the KV cache (and the decode graphs that point into it)."""
+
+    @abstractmethod
+    def execute(self, step: "StepBatch") -> torch.Tensor:
+        """Write the step's KV and return float32 logits [seqs with need_logits, vocab], on the
+        device, rows in step order."""
+
+    @abstractmethod
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> GraphReport:
+        """Capture the decode batch-size buckets the plan asks for (after init_kv_cache);
+        execute() then replays them for decode steps. A no-op report when the plan says off."""
 
     @abstractmethod
     def memory_stats(self) -> dict:

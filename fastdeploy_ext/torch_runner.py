@@ -15,18 +15,21 @@ from typing import ClassVar
 import torch
 
 from . import envs
-from .models.paddleocr_vl.loader import build_vision_model, load_vision
+from .engine.step import KVCacheSpec, StepBatch
+from .models.paddleocr_vl.loader import build_vision_model, load_text, load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
 from .ops.attention import ATTENTION_BACKENDS, get_backend
 from .capabilities import capability_table
 from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
+from .ops.paged_attention import PAGED_ATTENTION_BACKENDS, get_paged_backend
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard
 
 log = logging.getLogger(__name__)
 
 RELEASED_HEAD_DIM = 72      # PaddleOCR-VL's vision head_dim; load_model re-checks the checkpoint's
+RELEASED_TEXT_HEAD_DIM = 128    # ERNIE-4.5-0.3B's; likewise re-checked against the text backend
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,8 +106,10 @@ class TorchRunner(DeviceRunner):
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
         available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
+        text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
         plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
-                            emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason)
+                            emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
+                            text_head_dim=RELEASED_TEXT_HEAD_DIM, text_available=text_available)
         return cls(plan, probe, row)
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):
@@ -118,21 +123,30 @@ class TorchRunner(DeviceRunner):
         self.meta_builder: MetadataBuilder | None = None
         self.execution = VisionExecution(get_backend(plan.attention.value), plan.strided_qkv, bool(plan.fused_layers.value))
         self.graphs = None
+        self.text = None            # TextStepRunner once a text model is loaded
+        self.text_model = None
+        self.tokenizer = None
+        self.chat_template = None
 
     # ------------------------------------------------------------ model
-    def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto"):
+    def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
+                   with_text: bool = False):
+        """Vision encoder + projector, and with ``with_text`` the ERNIE decoder, its tokenizer
+        and chat template (the engine asks for them; `encode` does not)."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
         if load_format != "dummy" and model_dir is None:
             raise ValueError("a model directory is needed unless --load-format dummy")
         t0 = time.perf_counter()
-        self.model, self.cfg, self.load_report = load_vision(
-            None if load_format == "dummy" else model_dir, dtype=self.dtype, device=self.device,
-            model_format=model_format)
+        src = None if load_format == "dummy" else model_dir
+        self.model, self.cfg, self.load_report = load_vision(src, dtype=self.dtype, device=self.device,
+                                                             model_format=model_format)
         self._check_head_dim(self.cfg.vision.head_dim)
         self._init_metadata()
         if self.plan.compile_layers.value:
             self._compile_layers()
+        if with_text:
+            self._load_text(src, model_format)
         log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
                  self.dtype, self.device)
         return self.load_report
@@ -150,6 +164,74 @@ class TorchRunner(DeviceRunner):
             def add_block_table(meta: VisionMetadata, upload):
                 meta.extras["block_table"] = upload(build_block_table(meta.seq_lens))
             self.meta_builder.extra_builders.append(add_block_table)
+
+    def _load_text(self, model_dir, model_format: str) -> None:
+        from .models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
+        from .text_runner import TextStepRunner
+        self.text_model, _, report = load_text(model_dir, dtype=self.dtype, device=self.device,
+                                               model_format=model_format, cfg=self.cfg)
+        if report.layout != self.load_report.layout:
+            raise ValueError(f"{model_dir}: the vision weights are in {self.load_report.layout} layout but the "
+                             f"text weights in {report.layout} layout")
+        tc = self.cfg.text
+        entry = {e.backend: e for e in self.row.text_attention}[self.plan.text_attention.value]
+        if not entry.head_dims[0] <= tc.head_dim <= entry.head_dims[1]:
+            raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
+                            f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {tc.head_dim}")
+        self.tokenizer = load_tokenizer(model_dir, self.cfg)
+        self.chat_template = load_chat_template(model_dir)
+        self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),
+                                   block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,
+                                   image_token_id=self.cfg.image_token_id)
+
+    def _require_text(self):
+        if self.text is None:
+            raise RuntimeError("no text model loaded: call load_model(..., with_text=True) first")
+        return self.text
+
+    # ------------------------------------------------------------ generation (the engine's side)
+    def build_prompt(self, *, messages=None, prompt=None, image_grids=()):
+        """Token ids (placeholders expanded), mrope positions [3, n] and rope_delta."""
+        from .models.paddleocr_vl.prompt import build_prompt
+        self._require_text()
+        return build_prompt(self.tokenizer, self.chat_template, self.cfg, messages=messages, prompt=prompt,
+                            image_grids=image_grids)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self._require_text().kv_cache_spec()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._require_text().init_kv_cache(num_blocks)
+
+    def free_kv_cache(self) -> None:
+        if self.text is not None:
+            self.text.free_kv_cache()
+
+    def execute(self, step: StepBatch) -> torch.Tensor:
+        return self._require_text().execute(step)
+
+    def profile_peak_memory(self, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
+        from .memory_profile import profile_peak_memory
+        return profile_peak_memory(self, max_num_batched_tokens, max_encoder_patches)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> GraphReport:
+        """Decode graphs per batch-size bucket as the plan says (no-op report when off)."""
+        text = self._require_text()
+        sizes = tuple(s for s in self.plan.decode_graphs.value if s <= max_num_seqs)
+        if not sizes:
+            return GraphReport(captured=0, reason=self.plan.decode_graphs.reason if not self.plan.decode_graphs.value
+                               else f"no capture size <= max_num_seqs {max_num_seqs}")
+        if not text.backend.graph_safe_decode:
+            raise PlanError(f"row {self.plan.row}: decode graphs need a graph-safe text attention backend, "
+                            f"plan chose {text.backend.name}")
+        from .text_runner import DecodeGraphs
+        graphs = DecodeGraphs(text, sizes, max_model_len)
+        info = graphs.capture()
+        text.graphs = graphs
+        log.info("decode graphs captured for batch sizes %s in %.2fs (%.1f MiB)", info["sizes"], info["seconds"],
+                 info["memory_bytes"] / 2 ** 20)
+        return GraphReport(captured=len(sizes), paths={"decode": list(sizes)}, capture_seconds=info["seconds"],
+                           graph_memory_bytes=info["memory_bytes"], reason=self.plan.decode_graphs.reason)
 
     def _check_head_dim(self, head_dim: int) -> None:
         """The plan is resolved before the model is read, for the released head_dim (72); a

@@ -33,7 +33,7 @@ def test_h200_without_triton_falls_back_and_turns_graphs_off():
     assert any("triton_varlen skipped" in n and "triton not importable" in n for n in p.notes)
     assert p.graphs.value == () and "cannot be replayed" in p.graphs.reason
     with pytest.raises(PlanError, match="cuda_sm90"):
-        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True)),
+        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True)),
                      device="cuda:0", head_dim=72, available=avail)
 
 
@@ -64,11 +64,16 @@ def test_bad_flag_values_are_plan_errors():
 
 
 def test_graph_config_json():
-    gc = GraphOptimizationConfig.from_json('{"use_cudagraph": true, "encoder_graph_paths": '
+    gc = GraphOptimizationConfig.from_json('{"use_encoder_cudagraph": true, "encoder_graph_paths": '
                                            '[{"name": "b", "min_tokens": 256, "max_tokens": 3000, '
                                            '"max_image_tokens": 1000, "max_segments": 8}]}')
-    assert gc.use_cudagraph and gc.encoder_graph_paths[0].budgets == (256, 512, 1024, 2048, 3000)
+    assert gc.use_encoder_cudagraph and gc.encoder_graph_paths[0].budgets == (256, 512, 1024, 2048, 3000)
+    assert gc.use_cudagraph is None     # the decoder's switch is separate (FastDeploy's meaning)
+    gc = GraphOptimizationConfig.from_json('{"use_cudagraph": true, "cudagraph_capture_sizes": [8, 1, 2, 8]}')
+    assert gc.use_cudagraph and gc.cudagraph_capture_sizes == (1, 2, 8) and gc.use_encoder_cudagraph is None
     for bad in ('[1]', '{"use_cudagraph": true, "x": 1}', '{"encoder_graph_paths": [{"name": "b"}]}',
+                '{"cudagraph_capture_sizes": []}', '{"cudagraph_capture_sizes": [0]}',
+                '{"cudagraph_capture_sizes": 8}', '{"cudagraph_capture_sizes": [true]}',
                 '{"encoder_graph_paths": [{"name": "b", "min_tokens": 9, "max_tokens": 4, '
                 '"max_image_tokens": 4, "max_segments": 1}]}', "{nope"):
         with pytest.raises(ValueError):
@@ -101,10 +106,55 @@ def test_oversize_batches_run_eager_unless_split():
 
 def test_metax_graph_opt_in_switches_to_the_graph_safe_kernel():
     row = capability_table()["metax_c500"]
-    req = PlanRequest(graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    req = PlanRequest(graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True))
     p = resolve_plan(row, req, device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
     assert p.attention.value == "triton_varlen" and "graph-safe" in p.attention.reason
     assert p.graphs.value and p.qkv_layout.value == "dense"
     no_triton = dict(ALL_AVAILABLE, triton_varlen=(False, "no CUDA device"))
     with pytest.raises(PlanError, match="metax_c500"):
         resolve_plan(row, req, device="cpu", head_dim=72, available=no_triton)
+
+
+# ------------------------------------------------------------------ text decoder decisions
+TEXT_ALL = {"triton_paged": (True, "ok"), "sdpa_paged": (True, "ok")}
+
+
+def _plan(row, text_available=TEXT_ALL, **req):
+    return resolve_plan(capability_table()[row], PlanRequest(**req), device="cuda:0", head_dim=72, available=ALL_AVAILABLE,
+                        text_available=text_available)
+
+
+def test_h200_text_plan_triton_paged_with_decode_graphs():
+    from fastdeploy_ext.plan import DEFAULT_CAPTURE_SIZES
+    p = _plan("cuda_sm90")
+    assert p.text_attention.value == "triton_paged" and p.kv_block_size.value == 64
+    assert p.decode_graphs.value == DEFAULT_CAPTURE_SIZES and "on by default" in p.decode_graphs.reason
+    gc = GraphOptimizationConfig(use_cudagraph=True, cudagraph_capture_sizes=(1, 4))
+    assert _plan("cuda_sm90", graph_config=gc).decode_graphs.value == (1, 4)
+    off = _plan("cuda_sm90", graph_config=GraphOptimizationConfig(use_cudagraph=False))
+    assert off.decode_graphs.value == () and off.graphs.value      # encoder graphs stay on: separate keys
+    enc_off = _plan("cuda_sm90", graph_config=GraphOptimizationConfig(use_encoder_cudagraph=False))
+    assert enc_off.graphs.value == () and enc_off.decode_graphs.value
+    assert "decode_graphs" in p.describe() and "text_attention" in p.describe()
+
+
+def test_without_triton_the_text_falls_back_and_decode_graphs_turn_off():
+    no_triton = dict(TEXT_ALL, triton_paged=(False, "triton not importable"))
+    p = _plan("cuda_sm90", text_available=no_triton)
+    assert p.text_attention.value == "sdpa_paged" and "triton_paged" in p.text_attention.reason
+    assert any("text attention triton_paged skipped" in n for n in p.notes)
+    assert p.decode_graphs.value == () and "cannot be captured" in p.decode_graphs.reason
+    with pytest.raises(PlanError, match="cuda_sm90.*graph-safe"):
+        _plan("cuda_sm90", text_available=no_triton, graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    with pytest.raises(PlanError, match="cuda_sm90.*triton_paged"):
+        _plan("cuda_sm90", text_available=no_triton, text_attention_backend="triton_paged")
+
+
+@pytest.mark.parametrize("row", ["cpu", "cpu_amx", "metax_c500"])
+def test_other_rows_decode_eager_over_sdpa(row):
+    p = _plan(row)
+    assert p.text_attention.value == "sdpa_paged" and p.kv_block_size.value == 16 and p.decode_graphs.value == ()
+    with pytest.raises(PlanError, match=f"row {row}.*decoder graph"):
+        _plan(row, graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    with pytest.raises(PlanError, match=f"row {row} does not list text attention backend 'triton_paged'"):
+        _plan(row, text_attention_backend="triton_paged")

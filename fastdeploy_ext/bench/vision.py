@@ -141,7 +141,7 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
         req = replace(base, qkv_layout=v.qkv_layout, grid_thw=v.grid_thw, compile_layers=v.compile_layers,
                       fused_layers=v.fused_layers if base.fused_layers == "auto" else base.fused_layers,
                       attention_backend=v.attention_backend if base.attention_backend == "auto" else base.attention_backend,
-                      graph_config=replace(base.graph_config, use_cudagraph=v.graphs))
+                      graph_config=replace(base.graph_config, use_encoder_cudagraph=v.graphs))
         try:
             runner = cls.create(req, probe=probe)
         except PlanError as e:

@@ -38,11 +38,11 @@ def test_graph_replay_equals_eager_and_falls_back_above_budget(backend_cls, make
         # no capture kind, or no graph-safe kernel usable on this device: a clear plan error
         with pytest.raises(PlanError, match=row.name):
             backend_cls.create(PlanRequest(device=backend_cls.name,
-                                           graph_config=GraphOptimizationConfig(use_cudagraph=True)))
+                                           graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True)))
         return
     dtype = "bfloat16" if "bfloat16" in row.dtypes else row.default_dtype
     paths = (EncoderGraphPath("small", min_tokens=16, max_tokens=64, max_image_tokens=48, max_segments=4),)
-    gc = GraphOptimizationConfig(use_cudagraph=True, encoder_graph_paths=paths)
+    gc = GraphOptimizationConfig(use_encoder_cudagraph=True, encoder_graph_paths=paths)
     graphed = make_runner(tiny_models["torch"], graph_config=gc, dtype=dtype)
     eager = make_runner(tiny_models["torch"], dtype=dtype, attention_backend=graphed.plan.attention.value)
     report = graphed.capture_graphs()

@@ -67,7 +67,7 @@ def test_forcing_an_unlisted_backend_names_the_row(backend_cls, row):
 
 
 def test_forcing_graphs_picks_a_graph_safe_kernel_or_names_the_row(backend_cls, row):
-    req = PlanRequest(device=backend_cls.name, graph_config=GraphOptimizationConfig(use_cudagraph=True))
+    req = PlanRequest(device=backend_cls.name, graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True))
     device = backend_cls.torch_device(backend_cls.probe())
     usable_safe = [e for e in row.attention if e.graph_safe and ATTENTION_BACKENDS[e.backend].available(device)[0]]
     if "encoder" in row.graph_kinds and usable_safe:

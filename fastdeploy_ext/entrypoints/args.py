@@ -83,6 +83,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
     g = p.add_argument_group("run plan (auto = the device's capability row decides; see `info`)")
     g.add_argument("--attention-backend", default="auto",
                    help="force an attention backend of the device's capability row (see `info`)")
+    g.add_argument("--text-attention-backend", default="auto",
+                   help="force a paged attention backend of the text decoder from the device's row (see `info`)")
     g.add_argument("--qkv-layout", default="auto", choices=QKV_LAYOUTS)
     g.add_argument("--grid-thw", default="auto", choices=GRID_SOURCES,
                    help="where batch metadata is derived: host ints (no syncs) or device tensors (reference)")
@@ -94,7 +96,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
                    help="capability rows overriding the ones the backends ship (also FD_CAPABILITIES; "
                         "schema in fastdeploy_ext/capabilities.py)")
     g.add_argument("--graph-optimization-config", default=None,
-                   help='JSON, e.g. \'{"use_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
+                   help='JSON. Decoder graphs (FastDeploy keys): "use_cudagraph", "cudagraph_capture_sizes" '
+                        '(decode batch sizes); encoder graphs: "use_encoder_cudagraph", "encoder_graph_paths", '
+                        '"encoder_split_oversize_batches"; e.g. \'{"use_cudagraph": true, "cudagraph_capture_sizes": '
+                        '[1, 8, 64], "use_encoder_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
                         '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'')
     return g
 
@@ -113,7 +118,8 @@ def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) ->
         gc = GraphOptimizationConfig.from_json(ns.graph_optimization_config)
         request = PlanRequest(device=device or ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
                               qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw, compile_layers=ns.compile_layers,
-                              fused_layers=ns.fused_layers, graph_config=gc, capabilities=ns.capabilities)
+                              fused_layers=ns.fused_layers, graph_config=gc, capabilities=ns.capabilities,
+                              text_attention_backend=getattr(ns, "text_attention_backend", "auto"))
         request.validate()
     except ValueError as e:      # PlanError is a ValueError
         raise CliError(str(e)) from None

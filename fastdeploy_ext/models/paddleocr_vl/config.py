@@ -67,6 +67,9 @@ class PaddleOCRVLConfig:
     image_token_id: int = 100295
     vision_start_token_id: int = 101305
     vision_end_token_id: int = 101306
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "PaddleOCRVLConfig":
@@ -91,6 +94,12 @@ class PaddleOCRVLConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", td.get("tie_word_embeddings", True))),
         )
         ids = {k: d[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in d}
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):   # top level (released) or text_config
+            v = d.get(k, td.get(k))
+            if isinstance(v, list):     # eos may be a list; the first is the end-of-sequence token
+                v = v[0] if v else None
+            if v is not None:
+                ids[k] = int(v)
         return cls(vision=vision, text=text, **ids)
 
     @classmethod

@@ -1,9 +1,11 @@
 """Load PaddleOCR-VL weights from a local model directory (or build random ones).
 
 Accepts tensor names as released / as transformers' save_pretrained writes them
-(`visual.vision_model.*`, `mlp_AR.*`, `model.*`) and as transformers names them in memory
-(`model.visual.*`, `model.projector.*`, `model.language_model.*`), single-file or sharded
-safetensors, in torch layout (Linear [out, in]) or Paddle layout (Linear [in, out]).
+(`visual.vision_model.*`, `mlp_AR.*`, `model.*` decoder, `lm_head.*` when untied) and as
+transformers names them in memory (`model.visual.*`, `model.projector.*`,
+`model.language_model.*`), single-file or sharded safetensors, in torch layout (Linear
+[out, in]) or Paddle layout (Linear [in, out]). The vision path (encoder + projector) and the
+text decoder load separately (`load_vision`, `load_text`) from the same files.
 
 The layout is decided from the shape of a non-square Linear weight (vision `mlp.fc1.weight` is
 [intermediate, hidden] in torch layout): config.json's `dtype`/`torch_dtype` key cannot tell them
@@ -21,6 +23,7 @@ from typing import Iterator, Literal
 import torch
 
 from .config import PaddleOCRVLConfig
+from .text import ErnieTextModel
 from .vision import PaddleOCRVLVision
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,8 @@ ModelFormat = Literal["auto", "torch", "paddle"]
 MODEL_FORMATS = ("auto", "torch", "paddle")
 
 _ALIASES = ((re.compile(r"^model\.visual\."), "visual."),
-            (re.compile(r"^model\.projector\."), "mlp_AR."))
+            (re.compile(r"^model\.projector\."), "mlp_AR."),
+            (re.compile(r"^model\.language_model\."), "model."))
 _V = "visual.vision_model."
 _IGNORED = re.compile(r"\.(packing_position_embedding|head)\.")   # released extras we never use
 
@@ -88,9 +92,23 @@ def _wanted(name: str) -> bool:
     return (name.startswith(_V) or name.startswith("mlp_AR.")) and not _IGNORED.search(name)
 
 
-def detect_layout(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, forced: ModelFormat) -> tuple[str, str]:
-    key = f"{_V}encoder.layers.0.mlp.fc1.weight"
-    torch_shape = (cfg.vision.intermediate_size, cfg.vision.hidden_size)
+_T = "model."
+_TEXT_KEY = f"{_T}layers.0.mlp.gate_proj.weight"
+_VISION_KEY = f"{_V}encoder.layers.0.mlp.fc1.weight"
+
+
+def _wanted_text(name: str) -> bool:
+    return (name.startswith(_T) or name.startswith("lm_head.")) and not _IGNORED.search(name)
+
+
+def detect_layout(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, forced: ModelFormat,
+                  key: str = _VISION_KEY) -> tuple[str, str]:
+    """torch or paddle, from the shape of one non-square Linear weight (``key``: the vision fc1
+    or the decoder's gate_proj)."""
+    if key == _TEXT_KEY:
+        torch_shape = (cfg.text.intermediate_size, cfg.text.hidden_size)
+    else:
+        torch_shape = (cfg.vision.intermediate_size, cfg.vision.hidden_size)
     shape = tuple(tensors[key].shape) if key in tensors else None
     if forced != "auto":
         expect = torch_shape if forced == "torch" else torch_shape[::-1]
@@ -186,6 +204,86 @@ def load_vision(model_dir: str | Path | None, *, dtype: torch.dtype, device: tor
     model.load_state_dict(state, assign=True, strict=True)
     model = model.to(device=device).eval()
     log.info("loaded %d tensors from %d file(s) in %s layout (%s)", len(state), len(files), layout, reason)
+    return model, cfg, LoadReport(str(model_dir), tuple(str(f) for f in files), layout, reason, len(state))
+
+
+def _text_to_ours(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, layout: str) -> dict[str, torch.Tensor]:
+    """Decoder tensors -> ErnieTextModel names: q/k/v and gate/up fused into one Linear each,
+    Paddle's [in, out] Linear weights transposed (the embedding table is [vocab, hidden] in
+    both layouts; an untied Paddle lm_head is a Linear, so [hidden, vocab])."""
+    def linear(name: str) -> torch.Tensor:
+        w = tensors.pop(name)
+        return w.t() if layout == "paddle" else w
+
+    out = {"embed_tokens.weight": tensors.pop(f"{_T}embed_tokens.weight"),
+           "norm.weight": tensors.pop(f"{_T}norm.weight")}
+    if "lm_head.weight" in tensors:
+        out["lm_head.weight"] = linear("lm_head.weight")
+    for i in range(cfg.text.num_hidden_layers):
+        src, dst = f"{_T}layers.{i}.", f"layers.{i}."
+        out[dst + "qkv_proj.weight"] = torch.cat([linear(src + f"self_attn.{p}_proj.weight") for p in "qkv"])
+        out[dst + "o_proj.weight"] = linear(src + "self_attn.o_proj.weight")
+        out[dst + "gate_up_proj.weight"] = torch.cat([linear(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
+        out[dst + "down_proj.weight"] = linear(src + "mlp.down_proj.weight")
+        for ln in ("input_layernorm", "post_attention_layernorm"):
+            out[dst + f"{ln}.weight"] = tensors.pop(src + f"{ln}.weight")
+    return out
+
+
+def build_text_model(cfg: PaddleOCRVLConfig, tied: bool) -> ErnieTextModel:
+    with torch.device("meta"):
+        return ErnieTextModel(cfg.text, tied)
+
+
+def _finish_text(model: ErnieTextModel, device: torch.device) -> ErnieTextModel:
+    # the rope buffers are computed, not loaded: rebuild them off the meta device, in fp32
+    rope = type(model.rope)(model.cfg.head_dim, model.cfg.rope_theta, tuple(model.cfg.mrope_section))
+    model.rope = rope
+    return model.to(device=device).eval()
+
+
+def load_text(model_dir: str | Path | None, *, dtype: torch.dtype, device: torch.device,
+              model_format: ModelFormat = "auto", cfg: PaddleOCRVLConfig | None = None,
+              seed: int = 0) -> tuple[ErnieTextModel, PaddleOCRVLConfig, LoadReport]:
+    """The ERNIE-4.5 decoder (embeddings, layers, norm, LM head) from ``model_dir``, or random
+    weights from the built-in config when ``model_dir`` is None. The LM head is tied to the
+    embedding table exactly when the checkpoint has no ``lm_head.weight`` (the released 0.9B
+    ships one and transformers then uses it, whatever config.json says about tying)."""
+    if model_format not in MODEL_FORMATS:
+        raise ValueError(f"model_format must be one of {MODEL_FORMATS}, got {model_format!r}")
+    if model_dir is None:
+        cfg = cfg or PaddleOCRVLConfig()
+        model = ErnieTextModel(cfg.text, tied=False)    # as released: its own lm_head.weight
+        _random_init(model, seed + 1)
+        model = _finish_text(model.to(dtype=dtype), device)
+        n = sum(1 for _ in model.parameters())
+        return model, cfg, LoadReport(None, (), "random", "--load-format dummy: random weights", n)
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory does not exist")
+    cfg = cfg or PaddleOCRVLConfig.from_model_dir(model_dir)
+    files = safetensors_files(model_dir)
+    tensors = dict(_iter_tensors(files, _wanted_text))
+    layout, reason = detect_layout(tensors, cfg, model_format, key=_TEXT_KEY)
+    tied = "lm_head.weight" not in tensors
+    try:
+        state = _text_to_ours(tensors, cfg, layout)
+    except KeyError as e:
+        raise CheckpointError(f"{model_dir}: tensor {e.args[0]} is missing from the checkpoint") from None
+    if tensors:
+        log.info("ignoring %d unused text tensors, e.g. %s", len(tensors), next(iter(tensors)))
+    model = build_text_model(cfg, tied)
+    expected = dict(model.state_dict())
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{model_dir}: tensor for {name} has shape {list(t.shape)}, "
+                                  f"config.json implies {list(expected[name].shape)}")
+    state = {k: v.to(dtype=dtype).contiguous() for k, v in state.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    model = _finish_text(model, device)
+    head = "tied to the embeddings (no lm_head.weight)" if tied else "untied (lm_head.weight present)"
+    log.info("loaded the text decoder: %d tensors, %s layout, LM head %s", len(state), layout, head)
     return model, cfg, LoadReport(str(model_dir), tuple(str(f) for f in files), layout, reason, len(state))
 
 

@@ -1,0 +1,80 @@
+"""Peak activation memory of one full step (vision pass + prefill), for sizing the KV pool.
+
+On CUDA (and MACA's CUDA-compatible torch) it is measured: a dummy vision pass over
+``max_encoder_patches`` patches and a dummy prefill of ``max_num_batched_tokens`` tokens, with the
+allocator's peak read before and after; the temporary KV blocks the prefill needs are not
+counted (the engine sizes the KV pool separately). Elsewhere it is an estimate from the model's
+shapes (the CPU has no allocator statistics worth trusting).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _grid_for(patches: int, merge: int) -> tuple[int, int, int]:
+    """A (1, h, w) grid with h*w <= patches, h and w multiples of merge, near square."""
+    side = max(merge, int(math.isqrt(patches)) // merge * merge)
+    w = max(merge, patches // side // merge * merge)
+    return 1, side, w
+
+
+def estimate_peak_bytes(runner, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
+    el = torch.empty((), dtype=runner.dtype).element_size()
+    vc, tc = runner.cfg.vision, runner.cfg.text
+    # vision: residual + LN + qkv + attention out + MLP intermediate live at once, per patch
+    vision = max_encoder_patches * (4 * vc.hidden_size + 3 * vc.hidden_size + vc.intermediate_size) * el
+    # text: residual, normed input, qkv, attention out, gate/up + activation, per token
+    q = tc.num_attention_heads * tc.head_dim
+    kv = tc.num_key_value_heads * tc.head_dim
+    text = max_num_batched_tokens * (3 * tc.hidden_size + q + 2 * kv + q + 3 * tc.intermediate_size) * el
+    logits = 256 * tc.vocab_size * 4          # a decode batch's float32 logits (default max_num_seqs)
+    return int(max(vision, text + logits) * 1.5)   # 1.5: allocator slack and temporaries
+
+
+def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
+    if runner.device.type != "cuda":
+        est = estimate_peak_bytes(runner, max_num_batched_tokens, max_encoder_patches)
+        log.info("peak step memory (estimate on %s): %.1f MiB", runner.device.type, est / 2 ** 20)
+        return est
+    from .engine.step import SeqStep, StepBatch
+    from .runner import ImageBatch
+    text = runner._require_text()
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    merge = runner.cfg.vision.spatial_merge_size
+    grid = _grid_for(max_encoder_patches, merge)
+    vc = runner.cfg.vision
+    pv = torch.zeros(grid[1] * grid[2], vc.num_channels, vc.patch_size, vc.patch_size)
+    runner.encode_images(ImageBatch(pv, [grid]))
+    torch.cuda.synchronize(dev)
+    vision_peak = torch.cuda.max_memory_allocated(dev) - base
+
+    had_kv = text.kv is not None
+    if had_kv:
+        raise RuntimeError("profile_peak_memory runs before init_kv_cache (it uses a temporary cache)")
+    bs = text.block_size
+    n = max_num_batched_tokens
+    blocks = (n + bs - 1) // bs
+    text.init_kv_cache(blocks)
+    kv_bytes = 2 * text.kv.k.numel() * text.kv.k.element_size()
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base2 = torch.cuda.memory_allocated(dev)
+    step = StepBatch(True, [SeqStep(0, [0] * n, 0, list(range(blocks)), None)])
+    text.execute(step)
+    torch.cuda.synchronize(dev)
+    text_peak = torch.cuda.max_memory_allocated(dev) - base2
+    text.free_kv_cache()
+    torch.cuda.empty_cache()
+    peak = max(vision_peak, text_peak)
+    log.info("peak step memory (measured): vision %d patches %.1f MiB, prefill %d tokens %.1f MiB "
+             "(temporary KV %.1f MiB not counted)", grid[1] * grid[2], vision_peak / 2 ** 20, n,
+             text_peak / 2 ** 20, kv_bytes / 2 ** 20)
+    return int(peak)

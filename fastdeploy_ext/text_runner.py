@@ -1,0 +1,256 @@
+"""The text half of the runner: StepBatch -> logits over the paged KV cache, and decode graphs.
+
+TorchRunner owns one `TextStepRunner` once a text model is loaded; every method here is
+device-agnostic and configured by the plan (text attention backend, KV block size, decode graph
+batch sizes). Step metadata is built on the host from the StepBatch's Python ints and uploaded
+without a sync (pinned + non-blocking on CUDA).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .engine.step import KVCacheSpec, StepBatch
+from .models.paddleocr_vl.text import ErnieTextModel
+from .ops.paged_attention import KVCache, PagedAttentionBackend, PagedStepMeta
+
+log = logging.getLogger(__name__)
+
+
+class StepError(ValueError):
+    """The StepBatch is inconsistent (names the sequence and the problem)."""
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor          # int64 [T] (device)
+    positions: torch.Tensor          # int64 [3, T] prefill, [T] decode (device)
+    image_embeds: torch.Tensor | None
+    image_index: torch.Tensor | None  # int64 [k] rows of the flat batch
+    logits_index: torch.Tensor       # int64 [rows needing logits]
+    meta: PagedStepMeta
+
+
+class TextStepRunner:
+    def __init__(self, model: ErnieTextModel, backend: PagedAttentionBackend, *, block_size: int,
+                 device: torch.device, dtype: torch.dtype, image_token_id: int):
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.device, self.dtype, self.image_token_id = device, dtype, image_token_id
+        cfg = model.cfg
+        self.scale = cfg.head_dim ** -0.5
+        self.kv: KVCache | None = None
+        self.graphs: "DecodeGraphs | None" = None
+        self.graph_hits = 0
+        self.graph_fallbacks = 0
+
+    # ---------------------------------------------------------------- KV cache
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.model.cfg
+        return KVCacheSpec(self.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """``num_blocks`` usable blocks, plus one scratch block (index num_blocks) that padded
+        rows of a graphed decode batch write to, so they never touch a sequence's blocks."""
+        if num_blocks < 1:
+            raise ValueError(f"init_kv_cache needs at least one block, got {num_blocks}")
+        self.free_kv_cache()
+        c = self.model.cfg
+        self.kv = KVCache.allocate(c.num_hidden_layers, num_blocks + 1, self.block_size, c.num_key_value_heads,
+                                   c.head_dim, self.dtype, self.device)
+        self.num_blocks = num_blocks
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                 2 * self.kv.k.numel() * self.kv.k.element_size() / 2 ** 20)
+
+    def free_kv_cache(self) -> None:
+        self.graphs = None          # graphs hold pointers into the cache
+        self.kv = None
+
+    # ---------------------------------------------------------------- host -> device
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _check(self, step: StepBatch) -> None:
+        if self.kv is None:
+            raise RuntimeError("no KV cache: call init_kv_cache(num_blocks) first")
+        if not step.seqs:
+            raise StepError("empty StepBatch")
+        bs, nb = self.block_size, self.num_blocks
+        for s in step.seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                raise StepError(f"seq {s.seq_id}: no tokens")
+            if not step.is_prefill and n != 1:
+                raise StepError(f"seq {s.seq_id}: a decode step takes exactly one token, got {n}")
+            need = (s.start_pos + n + bs - 1) // bs
+            if len(s.block_table) < need:
+                raise StepError(f"seq {s.seq_id}: {s.start_pos + n} tokens need {need} blocks of {bs}, "
+                                f"block table has {len(s.block_table)}")
+            bad = [b for b in s.block_table[:need] if not 0 <= b < nb]
+            if bad:
+                raise StepError(f"seq {s.seq_id}: block ids {bad} outside the pool 0..{nb - 1}")
+            if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (3, n):
+                raise StepError(f"seq {s.seq_id}: rope_positions must be [3, {n}], got {list(s.rope_positions.shape)}")
+
+    def build_inputs(self, step: StepBatch) -> StepInputs:
+        self._check(step)
+        bs = self.block_size
+        ids: list[int] = []
+        slots, pos_parts, logits_rows = [], [], []
+        img_embeds, img_rows = [], []
+        qlens = [len(s.token_ids) for s in step.seqs]
+        starts = [s.start_pos for s in step.seqs]
+        max_blocks = max((st + n + bs - 1) // bs for st, n in zip(starts, qlens))
+        tables = torch.zeros(len(step.seqs), max_blocks, dtype=torch.int32)
+        off = 0
+        for i, s in enumerate(step.seqs):
+            n = len(s.token_ids)
+            nblk = (s.start_pos + n + bs - 1) // bs
+            bt = torch.as_tensor(s.block_table[:nblk], dtype=torch.int64)
+            tables[i, :nblk] = bt.to(torch.int32)
+            p = torch.arange(s.start_pos, s.start_pos + n)
+            slots.append(bt[p // bs] * bs + p % bs)
+            ids.extend(s.token_ids)
+            if step.is_prefill:
+                if s.rope_positions is not None:
+                    pos_parts.append(s.rope_positions.to(torch.int64))
+                else:
+                    pos_parts.append((p + s.rope_delta).expand(3, -1))
+            else:
+                pos_parts.append(p + s.rope_delta)
+            if s.image_embeds is not None:
+                rows = [off + j for j, t in enumerate(s.token_ids) if t == self.image_token_id]
+                if len(rows) != s.image_embeds.shape[0]:
+                    raise StepError(f"seq {s.seq_id}: {len(rows)} image placeholder tokens in this chunk but "
+                                    f"{s.image_embeds.shape[0]} image embedding rows")
+                img_rows.extend(rows)
+                img_embeds.append(s.image_embeds)
+            if s.need_logits:
+                logits_rows.append(off + n - 1)
+            off += n
+        positions = torch.cat(pos_parts, 1 if step.is_prefill else 0)
+        ctx = [st + n for st, n in zip(starts, qlens)]
+        cu = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.as_tensor(qlens, dtype=torch.int32), 0)
+        meta = PagedStepMeta(
+            is_prefill=step.is_prefill, slot_mapping=self.upload(torch.cat(slots)), block_tables=self.upload(tables),
+            context_lens=self.upload(torch.as_tensor(ctx, dtype=torch.int32)), query_lens=qlens, start_pos=starts,
+            block_size=bs, cu_query=self.upload(cu), max_query_len=max(qlens), max_context_len=max(ctx))
+        embeds = None
+        if img_embeds:
+            embeds = torch.cat([e.to(self.device, non_blocking=True) for e in img_embeds])
+        return StepInputs(self.upload(torch.as_tensor(ids, dtype=torch.int64)), self.upload(positions), embeds,
+                          self.upload(torch.as_tensor(img_rows, dtype=torch.int64)) if img_rows else None,
+                          self.upload(torch.as_tensor(logits_rows, dtype=torch.int64)), meta)
+
+    # ---------------------------------------------------------------- forward
+    def attend_fn(self, meta: PagedStepMeta):
+        kv, backend, scale = self.kv, self.backend, self.scale
+        fn = backend.prefill if meta.is_prefill else backend.decode
+
+        def attend(layer: int, q, k, v):
+            kv.write(layer, k, v, meta.slot_mapping)
+            return fn(q, kv.k[layer], kv.v[layer], meta, scale)
+        return attend
+
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        m = self.model
+        x = m.embed(inp.token_ids, inp.image_embeds, inp.image_index)
+        h = m(x, inp.positions, self.attend_fn(inp.meta))
+        return m.logits(h.index_select(0, inp.logits_index))
+
+    @torch.no_grad()    # not inference_mode: the engine's sampler edits the logits in place
+    def execute(self, step: StepBatch) -> torch.Tensor:
+        if not step.is_prefill and self.graphs is not None:
+            out = self.graphs.run(step)
+            if out is not None:
+                self.graph_hits += 1
+                return out
+            self.graph_fallbacks += 1
+        return self.forward(self.build_inputs(step))
+
+
+class DecodeGraphs:
+    """One CUDA graph per decode batch-size bucket. The static inputs (token ids, positions, slot
+    mapping, block tables, context lengths) live in fixed buffers sized for the largest bucket
+    and max_model_len; a batch is padded to the smallest bucket >= its size, padded rows write
+    to the scratch block and attend to one token of it. The attention backend must be graph
+    safe (its launch grid may not depend on the step: triton_paged's decode uses the fixed
+    max_model_len partition count)."""
+
+    def __init__(self, runner: TextStepRunner, sizes: tuple[int, ...], max_model_len: int):
+        self.r = runner
+        self.sizes = tuple(sorted(set(sizes)))
+        bs = runner.block_size
+        self.max_blocks = (max_model_len + bs - 1) // bs
+        self.max_model_len = self.max_blocks * bs
+        dev, n = runner.device, self.sizes[-1]
+        self.scratch = runner.num_blocks            # the extra block init_kv_cache allocated
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.full((n,), self.scratch * bs, dtype=torch.int64, device=dev)
+        self.tables = torch.full((n, self.max_blocks), self.scratch, dtype=torch.int32, device=dev)
+        self.ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.out: dict[int, torch.Tensor] = {}
+
+    def _inputs(self, b: int) -> StepInputs:
+        meta = PagedStepMeta(False, self.slots[:b], self.tables[:b], self.ctx[:b], [1] * b, [0] * b,
+                             self.r.block_size, max_context_len=self.max_model_len,
+                             extras={"graph_max_context": self.max_model_len})
+        return StepInputs(self.ids[:b], self.pos[:b], None, None, torch.arange(b, device=self.r.device), meta)
+
+    def capture(self) -> dict:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_allocated(self.r.device)
+        with torch.no_grad():
+            for b in reversed(self.sizes):           # largest first: later ones reuse its pool
+                inp = self._inputs(b)
+                s = torch.cuda.Stream(self.r.device)
+                s.wait_stream(torch.cuda.current_stream(self.r.device))
+                with torch.cuda.stream(s):
+                    for _ in range(2):               # warm up (Triton autotune/compile, allocator)
+                        self.r.forward(inp)
+                torch.cuda.current_stream(self.r.device).wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.out[b] = self.r.forward(inp)
+                self.graphs[b] = g
+        torch.cuda.synchronize(self.r.device)
+        return {"sizes": list(self.sizes), "seconds": time.perf_counter() - t0,
+                "memory_bytes": torch.cuda.memory_allocated(self.r.device) - before}
+
+    def run(self, step: StepBatch) -> torch.Tensor | None:
+        b = len(step.seqs)
+        bucket = next((s for s in self.sizes if s >= b), None)
+        if bucket is None:
+            return None
+        bs = self.r.block_size
+        if any(s.start_pos + 1 > self.max_model_len for s in step.seqs):
+            return None
+        self.r._check(step)
+        ids = torch.zeros(bucket, dtype=torch.int64)
+        pos = torch.zeros(bucket, dtype=torch.int64)
+        slots = torch.full((bucket,), self.scratch * bs, dtype=torch.int64)
+        tables = torch.full((bucket, self.max_blocks), self.scratch, dtype=torch.int32)
+        ctx = torch.ones(bucket, dtype=torch.int32)
+        for i, s in enumerate(step.seqs):
+            p = s.start_pos
+            nblk = p // bs + 1
+            ids[i] = s.token_ids[0]
+            pos[i] = p + s.rope_delta
+            slots[i] = s.block_table[p // bs] * bs + p % bs
+            tables[i, :nblk] = torch.as_tensor(s.block_table[:nblk], dtype=torch.int32)
+            ctx[i] = p + 1
+        for dst, src in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.tables, tables),
+                         (self.ctx, ctx)):
+            dst[:bucket].copy_(src.pin_memory(), non_blocking=True)
+        self.graphs[bucket].replay()
+        rows = [i for i, s in enumerate(step.seqs) if s.need_logits]
+        out = self.out[bucket]
+        return out[:b].clone() if len(rows) == b else out[torch.as_tensor(rows, device=out.device)]
