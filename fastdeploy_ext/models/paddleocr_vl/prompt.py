@@ -165,35 +165,3 @@ def build_prompt(tokenizer: TextTokenizer, template: ChatTemplate, cfg: PaddleOC
         messages = task_messages(prompt, len(image_grids))
     msgs = normalize_messages(messages, len(image_grids))
     return tokens_and_positions(tokenizer, cfg, template.render(msgs, add_generation_prompt), image_grids)
-
-
-@dataclass
-class PromptBuilder:
-    """What the engine's input processor needs from the model side (engine/input_processor.py's
-    PromptBuilder protocol): render a chat, then build ids + mrope positions for its images."""
-    tokenizer: TextTokenizer
-    template: ChatTemplate
-    cfg: PaddleOCRVLConfig
-    vocab_size: int
-
-    @property
-    def image_token_id(self) -> int:
-        return self.cfg.image_token_id
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return (self.cfg.eos_token_id,)
-
-    def render(self, messages: list[dict]) -> str:
-        return self.template.render(normalize_messages(messages))
-
-    def build(self, text: str, grids: list[tuple[int, int, int]]) -> tuple[list[int], torch.Tensor, int]:
-        p = tokens_and_positions(self.tokenizer, self.cfg, text, grids)
-        return p.token_ids, p.positions, p.rope_delta
-
-
-def prompt_builder_for(runner) -> PromptBuilder:
-    """The loaded runner's tokenizer, chat template and config (load_model(..., with_text=True))."""
-    if getattr(runner, "tokenizer", None) is None:
-        raise RuntimeError("the runner has no tokenizer: load_model(..., with_text=True) first")
-    return PromptBuilder(runner.tokenizer, runner.chat_template, runner.cfg, runner.cfg.text.vocab_size)
