@@ -118,7 +118,7 @@ def test_fused_interpreter_subprocess():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "test_interp_"], cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and "6 passed" in res.stdout, out[-4000:]
+    assert res.returncode == 0 and "7 passed" in res.stdout, out[-4000:]
 
 
 def test_bad_shapes_are_clear_errors():
@@ -183,3 +183,30 @@ def test_fused_layers_plan_decision():
         resolve_plan(t["cpu"], PlanRequest(fused_layers="on"), device="cpu", head_dim=72, available=ALL_AVAILABLE)
     p = resolve_plan(t["cpu"], PlanRequest(), device="cpu", head_dim=72, available={"sdpa": (True, "ok")})
     assert p.fused_layers.value is False
+
+
+@interp
+def test_interp_fused_strided_qkv_are_views_of_the_projection_output():
+    """The fused path (Triton in-place q/k rotary, the module-called qkv Linear) hands the kernel
+    views of the projection's output and copies nothing dense; the dense plan is caught."""
+    from fastdeploy_ext.conformance.qkv_trace import QkvTrace, check_views_of_projection
+    cfg = VisionConfig(hidden_size=144, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=56)
+    torch.manual_seed(0)
+    enc = VisionEncoder(cfg).eval()
+    mb = MetadataBuilder(head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, merge=2, side=cfg.num_grid_per_side,
+                         pos_table=enc.position_embedding.detach(), compute_dtype=torch.float32,
+                         device=torch.device("cpu"))
+    meta = mb.build_host([(1, 4, 6), (1, 2, 2)])
+    px = torch.randn(meta.num_tokens, 3 * 14 * 14)
+    sdpa = get_backend("sdpa")
+
+    def traced(strided):
+        trace = QkvTrace([layer.qkv.weight for layer in enc.layers])
+        backend = VisionExecution(type(sdpa)(**{**sdpa.__dict__, "fn": trace.attention_call(sdpa.fn)}), strided, True)
+        with torch.inference_mode(), trace:
+            enc(px, meta, backend)
+        return trace
+    assert check_views_of_projection(traced(True), cfg.hidden_size, cfg.head_dim) == []
+    with pytest.raises(AssertionError, match="copied dense|not a view"):
+        check_views_of_projection(traced(False), cfg.hidden_size, cfg.head_dim)

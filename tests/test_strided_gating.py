@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from fastdeploy_ext.conformance.qkv_trace import QkvTrace, check_views_of_projection
 from fastdeploy_ext.models.paddleocr_vl.config import VisionConfig
 from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
 from fastdeploy_ext.models.paddleocr_vl.vision import EncoderLayer, VisionExecution
@@ -57,6 +58,28 @@ def test_strided_plan_hands_views_of_the_qkv_buffer(setup):
         ptr, stride, contiguous, offset = seen[n]
         assert stride == (3 * d, hd, 1) and not contiguous
         assert offset == i * d                                    # q | k | v thirds of each row
+
+
+def _traced(layer, meta, x, strided):
+    trace = QkvTrace([layer.qkv.weight])
+    backend = dataclasses.replace(get_backend("sdpa"), fn=trace.attention_call(get_backend("sdpa").fn))
+    with torch.inference_mode(), trace:
+        layer(x, meta, VisionExecution(backend, strided))
+    return trace
+
+
+def test_strided_views_are_of_the_projection_output_and_a_clone_is_caught(setup, monkeypatch):
+    """The views must be of the buffer the qkv projection wrote (found through its weight, the
+    layer calls it through a functional): `qkv = qkv.clone()` before the views keeps one
+    buffer and the strides, and must still fail."""
+    layer, meta, x = setup
+    check_views_of_projection(_traced(layer, meta, x, True), CFG.hidden_size, CFG.head_dim)
+    original = EncoderLayer.attention
+    monkeypatch.setattr(EncoderLayer, "attention", lambda self, qkv, m, ex: original(self, qkv.clone(), m, ex))
+    _, seen = run(layer, meta, x, strided=True)
+    assert len({seen[n][0] for n in "qkv"}) == 1                   # the old storage-only check is fooled
+    with pytest.raises(AssertionError, match="copied dense|not a view of the qkv projection"):
+        check_views_of_projection(_traced(layer, meta, x, True), CFG.hidden_size, CFG.head_dim)
 
 
 def test_dense_plan_hands_contiguous_copies(setup):

@@ -1,12 +1,15 @@
 """Plan variants that must not change results: strided == dense qkv bitwise (same kernel, same
-rotary placement) and host == device metadata bitwise (two separate code paths)."""
+rotary placement) and host == device metadata bitwise (two separate code paths). And what
+strided means: the kernel reads views of the qkv projection's own output (qkv_trace.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ..capabilities import capability_table
+from ..models.paddleocr_vl.vision import EncoderLayer
 from ..plan import PlanError
+from .qkv_trace import check_views_of_projection, trace_encoder
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +61,49 @@ def test_pos_embed_cache_hits_on_repeated_sizes(tiny_models, batch, make_runner)
     assert stats.misses == misses and stats.hits >= len(batch.grid_thw)
     for x, y in zip(first, again):
         assert torch.equal(x, y)
+
+
+def _strided_allowed(runner) -> bool:
+    entry = {e.backend: e for e in capability_table()[runner.plan.row].attention}[runner.plan.attention.value]
+    return entry.reads_strides
+
+
+def _check(runner, batch) -> list[str]:
+    vc = runner.cfg.vision
+    return check_views_of_projection(trace_encoder(runner, batch), vc.hidden_size, vc.head_dim)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_strided_qkv_are_views_of_the_projection_output(dtype, tiny_models, batch, make_runner, backend_cls,
+                                                        record_property):
+    """On the row's default plan for each dtype it lists: strided -> the kernel reads views of
+    the buffer the qkv projection wrote, nothing copies it dense; dense -> the check sees copies."""
+    row = backend_cls.select_row(backend_cls.probe(), capability_table())[0]
+    if dtype not in row.dtypes:
+        pytest.fail(f"row {row.name} lists no {dtype}")
+    runner = make_runner(tiny_models["torch"], dtype=dtype)
+    if runner.plan.strided_qkv:
+        conversions = _check(runner, batch)
+        record_property(f"qkv_{dtype}_conversions", conversions)
+        print(f"[{runner.plan.row}] {dtype} strided, fused_layers={runner.plan.fused_layers.value}: views of the "
+              f"projection output; conversions of the buffer for fp32 math: {conversions or 'none'}")
+    else:
+        with pytest.raises(AssertionError, match="copied dense|not a view of the qkv projection"):
+            _check(runner, batch)
+
+
+def test_a_clone_before_the_views_fails_the_check(tiny_models, batch, make_runner, monkeypatch):
+    """Mutation: `qkv = qkv.clone()` inserted before the layer takes its views. The kernel still
+    gets q/k/v of one buffer with the strided layout's strides, but not the projection's."""
+    dense = make_runner(tiny_models["torch"], qkv_layout="dense")
+    if not _strided_allowed(dense):
+        # this row never hands views: the check must reject its dense copies (the same property)
+        with pytest.raises(AssertionError, match="copied dense|not a view of the qkv projection"):
+            _check(dense, batch)
+        return
+    runner = make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=dense.plan.attention.value)
+    _check(runner, batch)                                   # unmodified: passes
+    original = EncoderLayer.attention
+    monkeypatch.setattr(EncoderLayer, "attention", lambda self, qkv, meta, ex: original(self, qkv.clone(), meta, ex))
+    with pytest.raises(AssertionError, match="copied dense|not a view of the qkv projection"):
+        _check(runner, batch)
