@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU leg, in one call on the device machine (H200: torch 2.11, triton 3.6, transformers 5.17,
 # 16 AMX cores, no internet). Installs what it lacks from carried wheels (.whl: transformers 5.24
-# for the reference), then runs probes/plans, the conformance suite for cuda, metax (EMULATED on
-# the GPU) and cpu_amx (host CPU with AMX), the attention micro-benchmark and `bench vision`.
-# Everything lands under $OUT: info, conformance_<backend> x3, bench_vision.{txt,json}, profile,
-# attn_bench (8 files, the most that come back).
-# Extra steps (not in "all"): layers (non-attention op micro-benchmark), sweep (attention kernel
-# config sweep), tests (the repo's CUDA unit tests).
-#   usage: ci/gpu_leg.sh [all|conformance|bench|profile|attn|layers|sweep|tests]...
+# for the reference, the project itself for its entry points), then runs the requested steps.
+# Everything lands under $OUT (at most 8 files come back).
+#   matrix       the `gpu` legs of ci/matrix.yaml through ci/run_matrix.py --gpu: cuda (unit,
+#                conformance, encode with graphs on/off, dense/device), metax EMULATED on the GPU,
+#                cpu_amx on the host's AMX cores. Writes matrix.txt (the table) and
+#                matrix_junit.tar.gz (per-leg JUnit XML + logs). `conformance` is an alias.
+#   bench profile attn            bench vision, its per-kernel profile, the attention bench
+#   layers sweep tests (not in "all")  layer-op bench, attention config sweep, CUDA unit tests
+# Set FDX_COMMIT=<sha> (the tree has no .git there) so info.txt records the commit that ran.
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -22,17 +25,15 @@ fi
 FDX="python3 -m fastdeploy_ext.entrypoints.cli"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/info.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/info.txt" 2>&1
+echo "commit: ${FDX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >> "$OUT/info.txt"
 steps=${*:-all}
 want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 rc=0
-if want conformance; then
+if want matrix || want conformance; then
   { for d in cuda cpu_amx; do echo "### $FDX info --device $d"; $FDX info --device $d; done; } >> "$OUT/info.txt" 2>&1 || rc=1
-  for b in ${FDX_BACKENDS:-cuda metax cpu_amx}; do
-    echo "### conformance $b ($(date -u +%FT%TZ))"
-    timeout ${CONF_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rA --pyargs fastdeploy_ext.conformance \
-      --fdx-backend $b -s > "$OUT/conformance_$b.txt" 2>&1 || rc=1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/conformance_$b.txt" | tail -8
-  done
+  timeout ${MATRIX_TIMEOUT:-500} python3 ci/run_matrix.py --gpu --require cuda,cpu_amx ${MATRIX_ARGS:-} \
+    --junit-dir /tmp/fdx_matrix --archive "$OUT/matrix_junit.tar.gz" > "$OUT/matrix.txt" 2>&1 || rc=1
+  sed -n '/^leg /,$p' "$OUT/matrix.txt"
 fi
 if want bench; then
   json=(--json-out "$OUT/bench_vision.json"); [[ -n "${NO_BENCH_JSON:-}" ]] && json=()

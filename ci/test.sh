@@ -1,16 +1,10 @@
 #!/usr/bin/env bash
-# The project's test command (README "Test"; .ci/run calls it): unit tests, then the conformance
-# suite against every backend this machine can run. On a machine without a GPU that is cpu,
-# cpu_amx (which reports the cpu row when the CPU has no AMX) and metax (EMULATED).
+# The project's test command (README "Setup and test"; .ci/run calls it): the CI legs of the
+# per-device matrix (ci/matrix.yaml) through ci/run_matrix.py — unit tests, the conformance suite
+# for every backend this machine can run (cpu, cpu_amx where the CPU has AMX, metax EMULATED),
+# the suite with transformers blocked, end-to-end `encode` smokes, Paddle interop and the sample
+# out-of-tree backend. Prints a table (leg, result, seconds), writes JUnit XML per leg under
+# ci/junit/, exits non-zero if any leg fails. Arguments go to run_matrix.py (e.g. --legs 'cpu/*').
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-$PY -m pytest -q tests "$@"
-for backend in ${FDX_BACKENDS:-cpu cpu_amx metax}; do
-  echo "=== conformance: $backend"
-  $PY -m pytest -q -p no:cacheprovider --pyargs fastdeploy_ext.conformance --fdx-backend "$backend" "$@"
-done
-# the suite needs no transformers: every test runs against the shipped references (a skip fails)
-echo "=== conformance: cpu, transformers blocked from import"
-PYTHONPATH="ci${PYTHONPATH:+:$PYTHONPATH}" $PY -m pytest -q -p no:cacheprovider -p no_transformers \
-  --pyargs fastdeploy_ext.conformance --fdx-backend cpu "$@"
+exec "${PYTHON:-python3}" ci/run_matrix.py "$@"

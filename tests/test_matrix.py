@@ -1,0 +1,118 @@
+"""ci/matrix.yaml and ci/run_matrix.py: the matrix is well formed and within its time budgets,
+and the runner reports what happened — a failing, skipping or hung leg fails the run, a leg
+whose device is absent is listed with the reason, every leg gets a JUnit file."""
+from __future__ import annotations
+
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "ci"))
+import run_matrix  # noqa: E402
+
+
+def test_the_matrix_covers_every_device_within_budget():
+    m = run_matrix.load_matrix()
+    assert {leg.device for leg in m.legs} == set(run_matrix.DEVICES)
+    active = [leg for leg in m.legs if not leg.pending]
+    ci = sum(leg.budgets["ci"] for leg in active if "ci" in leg.hosts)
+    gpu = sum(leg.budgets["gpu"] for leg in active if "gpu" in leg.hosts)
+    assert ci <= m.cpu_budget_total_s <= 30 * 60, f"CI legs budget {ci}s"
+    assert gpu <= m.gpu_budget_total_s <= 10 * 60, f"GPU legs budget {gpu}s"
+    # each device runs the conformance suite on some host; the suite also runs without transformers
+    assert {leg.device for leg in active if leg.runs == "conformance"} == set(run_matrix.DEVICES)
+    assert any(leg.block_transformers and leg.runs == "conformance" for leg in active)
+    # graphs on/off only where they exist; both halves of the cuda pair are there
+    assert {leg.plan.get("graphs") for leg in active if leg.device == "cuda" and leg.runs == "encode"} >= {"on", "off"}
+    assert all(leg.allow_skips is False for leg in active if leg.runs in ("conformance", "encode", "paddle", "oot"))
+
+
+def _write(tmp_path: Path, matrix: str) -> Path:
+    (tmp_path / "test_pass.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (tmp_path / "test_fail.py").write_text("def test_bad():\n    assert 1 + 1 == 3\n")
+    (tmp_path / "test_skip.py").write_text("import pytest\n\ndef test_s():\n    pytest.skip('no device')\n")
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_h():\n    time.sleep(60)\n")
+    path = tmp_path / "matrix.yaml"
+    path.write_text(textwrap.dedent(matrix).replace("TMP", str(tmp_path)))
+    return path
+
+
+LEG = "  - {{name: {name}, device: {device}, runs: unit, paths: [TMP/{file}], hosts: [{hosts}], budget_s: {budget}{more}}}\n"
+
+
+def leg(name, file="test_pass.py", device="cpu", hosts="ci", budget=60, more=""):
+    return LEG.format(name=name, file=file, device=device, hosts=hosts, budget=budget, more=more)
+
+
+def test_failures_skips_and_absent_devices_are_reported(tmp_path, capsys):
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("good") + leg("bad", "test_fail.py") + leg("skips", "test_skip.py")
+                    + leg("skips-allowed", "test_skip.py", more=", allow_skips: true")
+                    + leg("gpu-only", device="cuda", hosts="gpu")
+                    + leg("slot", more=", pending: not built yet"))
+    out = tmp_path / "junit"
+    rc = run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out)])
+    table = capsys.readouterr().out.split("leg ", 1)[1]
+    assert rc == 1
+    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip() and not line[0].isdigit()}
+    assert rows["good"].split()[3] == "PASS" and rows["skips-allowed"].split()[3] == "PASS"
+    assert rows["bad"].split()[3] == "FAIL" and "pytest exit status 1" in rows["bad"]
+    assert rows["skips"].split()[3] == "FAIL" and "skips are not coverage" in rows["skips"]
+    assert rows["gpu-only"].split()[3] == "NOT-RUN" and "--gpu" in rows["gpu-only"]
+    assert rows["slot"].split()[3] == "PENDING" and "not built yet" in rows["slot"]
+    for name in ("good", "bad", "skips", "skips-allowed", "gpu-only", "slot"):
+        suite = ET.parse(out / f"{name}.xml").getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        assert int(suite.get("tests")) >= 1, name
+    not_run = ET.parse(out / "gpu-only.xml").getroot()
+    assert "--gpu" in not_run.find("testcase/skipped").get("message")
+    assert (out / "matrix_table.txt").read_text().startswith("leg ")
+
+    # the same matrix without the failing legs is green; --archive packs the JUnit files
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("good") + leg("gpu-only", device="cuda", hosts="gpu"))
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out), "--archive", str(tmp_path / "a.tgz")]) == 0
+    import tarfile
+    with tarfile.open(tmp_path / "a.tgz") as tar:
+        assert {"matrix/good.xml", "matrix/gpu-only.xml", "matrix/good.log"} <= set(tar.getnames())
+
+
+def test_a_hung_leg_is_killed_and_fails(tmp_path, capsys):
+    matrix = _write(tmp_path, "cpu_budget_total_s: 60\ngpu_budget_total_s: 60\nlegs:\n" + leg("hang", "test_hang.py", budget=1))
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(tmp_path / "j")]) == 1
+    assert "killed as hung" in capsys.readouterr().out
+    assert ET.parse(tmp_path / "j" / "hang.xml").getroot().find("testcase/error") is not None
+
+
+@pytest.mark.parametrize("field, bad, message", [
+    ("device", "tpu", "device must be one of"),
+    ("runs", "benchmark", "runs must be one of"),
+    ("hosts", "[laptop]", "hosts must be"),
+    ("budget_s", "0", "budget_s must be"),
+    ("budget_s", "{ci: 10, gpu: 10}", "one per host"),
+    ("plan", "{graphs: 'on'}", "graphs on/off is a cuda-only variant"),
+    ("colour", "red", "unknown field"),
+])
+def test_malformed_matrix_is_a_clear_error(tmp_path, capsys, field, bad, message):
+    d = {"name": "x", "device": "cpu", "runs": "unit", "paths": "[TMP/test_pass.py]", "hosts": "[ci]", "budget_s": "60"}
+    d[field] = bad
+    body = ", ".join(f"{k}: {v}" for k, v in d.items())
+    matrix = _write(tmp_path, f"cpu_budget_total_s: 60\ngpu_budget_total_s: 60\nlegs:\n  - {{{body}}}\n")
+    assert run_matrix.main(["--matrix", str(matrix), "--list"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_required_device_that_is_absent_fails_the_run(tmp_path, capsys, monkeypatch):
+    """On the GPU host `--require cuda` turns "no cuda here" from a listed leg into a failure, so a
+    broken CUDA setup cannot pass the GPU leg by running nothing."""
+    monkeypatch.setattr(run_matrix, "device_here", lambda d: (d != "cuda", f"no {d} (test)"))
+    matrix = _write(tmp_path, "cpu_budget_total_s: 60\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("cuda-leg", device="cuda", hosts="gpu"))
+    args = ["--matrix", str(matrix), "--junit-dir", str(tmp_path / "j"), "--gpu"]
+    assert run_matrix.main(args) == 0                                # listed, not run
+    assert run_matrix.main(args + ["--require", "cuda"]) == 1        # required: a failure
+    assert "required here, but no cuda (test)" in capsys.readouterr().out
