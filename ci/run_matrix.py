@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -202,16 +201,6 @@ class LegResult:
         return self.result == "FAIL"
 
 
-def _transformers_blocker(tmp: Path) -> Path:
-    """A directory that, first on PYTHONPATH, makes `import transformers` raise ImportError as if
-    it were not installed."""
-    pkg = tmp / "block_transformers" / "transformers"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(
-        "raise ImportError('transformers is blocked for this leg (ci/run_matrix.py block_transformers)')\n")
-    return pkg.parent
-
-
 def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -241,26 +230,27 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     budget = leg.budgets[host]
     junit, log_path = out_dir / f"{leg.slug}.xml", out_dir / f"{leg.slug}.log"
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
-           "-o", f"junit_suite_name={leg.name}", *RUNS[leg.runs].args(leg, matrix), *extra]
+           "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=out", *RUNS[leg.runs].args(leg, matrix), *extra]
     env = dict(os.environ, **leg.env)
-    with tempfile.TemporaryDirectory(prefix="fdx_leg_") as tmp:
-        pypath = [str(ROOT)]
-        if leg.block_transformers:
-            pypath.insert(0, str(_transformers_blocker(Path(tmp))))
-        env["PYTHONPATH"] = os.pathsep.join(pypath + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        t0 = time.monotonic()
-        with open(log_path, "w") as log:
-            log.write(f"$ {' '.join(cmd)}\n")
-            log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=budget * HANG_FACTOR)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                rc = None
-        seconds = time.monotonic() - t0
+    pypath = [str(ROOT)]
+    if leg.block_transformers:
+        # ci/no_transformers.py: every import of transformers raises ImportError, as if absent
+        pypath.append(str(ROOT / "ci"))
+        cmd[3:3] = ["-p", "no_transformers"]
+    env["PYTHONPATH"] = os.pathsep.join(pypath + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget * HANG_FACTOR)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+    seconds = time.monotonic() - t0
     if rc is None:
         msg = f"killed as hung after {seconds:.0f}s ({HANG_FACTOR}x its {budget}s budget)"
         write_error_junit(junit, leg, msg)

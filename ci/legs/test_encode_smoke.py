@@ -1,6 +1,7 @@
 """End-to-end `fastdeploy-ext encode` on one device and plan variant of the matrix: the command
-line (argument parsing, runner choice, plan, model loading, graphs, the output file) on a tiny
-checkpoint written by transformers, checked against transformers' own features.
+line (argument parsing, runner choice, plan, model loading, graphs, the output file) on the tiny
+checkpoint the conformance suite ships, checked against the transformers features shipped with it
+(reference_data/, computed once with transformers 5.24; no transformers needed here).
 
 The CLI runs in this process (`cli.main`) so that the MetaX emulation the conformance plugin
 installs for `--fdx-backend metax` applies to it; everything below `main` is the real path.
@@ -8,6 +9,7 @@ fp32: max abs error <= 1e-4; bf16/fp16: cosine >= 0.999 per image (as the confor
 """
 from __future__ import annotations
 
+import ast
 import logging
 
 import pytest
@@ -15,31 +17,26 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from fastdeploy_ext.conformance.tiny_model import reference_image_features, write_torch_model
+from fastdeploy_ext.conformance.references import Manifest
 from fastdeploy_ext.entrypoints import cli
 from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
 
-SIZES = [(112, 56), (56, 84)]       # multiples of 28 inside the tiny pixel range: no resize
-
 
 @pytest.fixture(scope="module")
-def model_and_images(tmp_path_factory):
-    from PIL import Image
-    root = tmp_path_factory.mktemp("smoke")
-    model = write_torch_model(root / "model")
-    g = torch.Generator().manual_seed(7)
-    images = []
-    for i, (w, h) in enumerate(SIZES):
-        p = root / f"img{i}.png"
-        Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy()).save(p)
-        images.append(p)
-    return model, images
+def shipped():
+    """(model dir, image files, {image file name: expected fp32 features})."""
+    refs = Manifest.load()
+    model, images = refs.path("tiny_torch"), refs.files("images")
+    tensors, info = refs.tensors("encoder_features")
+    names = ast.literal_eval(info["images"])    # the list of file names make_references wrote
+    expected = {name: tensors[f"image{i}"] for i, name in enumerate(names)}
+    return model, [p for p in images if p.name in expected], expected
 
 
-def test_encode_end_to_end(model_and_images, plan_variant, plan_flags, tmp_path, caplog, capsys, request):
+def test_encode_end_to_end(shipped, plan_variant, plan_flags, tmp_path, caplog, capsys, request):
     backend = request.config.getoption("--fdx-backend")
     assert backend, "the smoke leg needs --fdx-backend"
-    model, images = model_and_images
+    model, images, expected = shipped
     out = tmp_path / "features.safetensors"
     argv = ["encode", "--model", str(model), "--device", backend, *plan_flags, "--output", str(out)]
     for p in images:
@@ -74,15 +71,14 @@ def test_encode_end_to_end(model_and_images, plan_variant, plan_flags, tmp_path,
     if "dtype" in plan_variant:
         assert meta["dtype"] == plan_variant["dtype"]
 
-    pixels = torch.cat([p.pixel_values for p in processed])
-    ref = reference_image_features(model, pixels, [tuple(p.grid_thw) for p in processed])
-    for i, (ours, r) in enumerate(zip(feats, ref)):
+    for i, (ours, p) in enumerate(zip(feats, images)):
+        r = expected[p.name]
         t, h, w = processed[i].grid_thw
         assert ours.dtype == dtype and tuple(ours.shape) == (t * h * w // 4, r.shape[-1])
         ours = ours.float()
         err = float((ours - r).abs().max())
         cos = float(F.cosine_similarity(ours.flatten(), r.flatten(), dim=0))
-        print(f"[{meta['row']} {meta['device']} {meta['dtype']}] image_{i}: max abs err {err:.3g}, cosine {cos:.6f}")
+        print(f"[{meta['row']} {meta['device']} {meta['dtype']}] image_{i} ({p.name}): max abs err {err:.3g}, cosine {cos:.6f}")
         if dtype == torch.float32:
             assert err <= 1e-4
         else:
