@@ -22,10 +22,13 @@ setup(
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
-        # pymxsml ships with the MACA SDK (not on PyPI); Paddle-layout checkpoints need only
-        # safetensors. Both extras exist so deployment recipes can name them; they add nothing.
+        # pymxsml ships with the MACA SDK (not on PyPI): the extra exists so deployment recipes
+        # can name it; it adds nothing.
         "metax": [],
-        "paddle": [],
+        # Paddle tensors in and out of a runner (fastdeploy_ext/interop/paddle.py, for FastDeploy
+        # workers) and its tests; Paddle-layout checkpoints alone need only safetensors. The CPU
+        # wheel (~195 MB) is enough for the tests; a FastDeploy GPU worker brings its own Paddle.
+        "paddle": ["paddlepaddle==3.3.1"],
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
         # interpreter-mode tests on the CPU.
         "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",

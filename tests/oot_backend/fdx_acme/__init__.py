@@ -1,0 +1,1 @@
+"""Acme N1 backend for fastdeploy_ext (sample out-of-tree vendor package)."""
