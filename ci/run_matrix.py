@@ -34,7 +34,8 @@ DEFAULT_MATRIX = ROOT / "ci" / "matrix.yaml"
 DEVICES = ("cpu", "cpu_amx", "metax-emulated", "cuda")
 HOSTS = ("ci", "gpu")
 HANG_FACTOR = 3          # a leg running this many times its budget is killed as hung
-PLAN_KEYS = ("qkv_layout", "grid_thw", "dtype", "graphs")
+PLAN_KEYS = ("qkv_layout", "grid_thw", "dtype", "graphs", "decode_graphs")
+CUDA_ONLY_PLAN_KEYS = ("graphs", "decode_graphs")
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
         plan = dict(d.get("plan") or {})
         if set(plan) - set(PLAN_KEYS):
             raise MatrixError(f"leg {name}: plan keys must be among {PLAN_KEYS}, got {sorted(plan)}")
-        if "graphs" in plan and d["device"] != "cuda":
+        if set(plan) & set(CUDA_ONLY_PLAN_KEYS) and d["device"] != "cuda":
             raise MatrixError(f"leg {name}: graphs on/off is a cuda-only variant (device {d['device']})")
         budget = d.get("budget_s")
         budgets = budget if isinstance(budget, dict) else {h: budget for h in hosts}
@@ -148,8 +149,7 @@ RUNS: dict[str, RunKind] = {
     "oot": RunKind(needs_paths=True),
     "conformance": RunKind(needs_backend=True, target=("--pyargs", "fastdeploy_ext.conformance")),
     "encode": RunKind(needs_backend=True, target=("ci/legs/test_encode_smoke.py",)),
-    # the engine helpers fill this in when `fastdeploy-ext generate` lands (a smoke in ci/legs/)
-    "generate": RunKind(needs_paths=True),
+    "generate": RunKind(needs_backend=True, target=("ci/legs/test_generate_smoke.py",)),
 }
 
 

@@ -28,6 +28,11 @@ def test_the_matrix_covers_every_device_within_budget():
     assert any(leg.block_transformers and leg.runs == "conformance" for leg in m.legs)
     # graphs on/off only where they exist; both halves of the cuda pair are there
     assert {leg.plan.get("graphs") for leg in active if leg.device == "cuda" and leg.runs == "encode"} >= {"on", "off"}
+    assert {leg.plan.get("decode_graphs") for leg in active if leg.device == "cuda" and leg.runs == "generate"} >= {"on", "off"}
+    # FD_ENABLE_MAX_PREFILL: both admission modes through generate, on the CI machine and on cuda
+    for device in ("cpu", "cuda"):
+        modes = {leg.env.get("FD_ENABLE_MAX_PREFILL") for leg in active if leg.device == device and leg.runs == "generate"}
+        assert modes == {"0", "1"}, (device, modes)
     assert all(leg.allow_skips is False for leg in active if leg.runs in ("conformance", "encode", "paddle", "oot"))
 
 
@@ -95,6 +100,7 @@ def test_a_hung_leg_is_killed_and_fails(tmp_path, capsys):
     ("budget_s", "0", "budget_s must be"),
     ("budget_s", "{ci: 10, gpu: 10}", "one per host"),
     ("plan", "{graphs: 'on'}", "graphs on/off is a cuda-only variant"),
+    ("plan", "{decode_graphs: 'off'}", "graphs on/off is a cuda-only variant"),
     ("colour", "red", "unknown field"),
 ])
 def test_malformed_matrix_is_a_clear_error(tmp_path, capsys, field, bad, message):
