@@ -230,7 +230,7 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     budget = leg.budgets[host]
     junit, log_path = out_dir / f"{leg.slug}.xml", out_dir / f"{leg.slug}.log"
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
-           "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=out", *RUNS[leg.runs].args(leg, matrix), *extra]
+           "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=system-out", *RUNS[leg.runs].args(leg, matrix), *extra]
     env = dict(os.environ, **leg.env)
     pypath = [str(ROOT)]
     if leg.block_transformers:
