@@ -203,7 +203,7 @@ def test_interp_fused_strided_qkv_are_views_of_the_projection_output():
 
     def traced(strided):
         trace = QkvTrace([layer.qkv.weight for layer in enc.layers])
-        backend = VisionExecution(type(sdpa)(**{**sdpa.__dict__, "fn": trace.attention_call(sdpa.fn)}), strided, True)
+        backend = VisionExecution(trace.recording(sdpa), strided, True)
         with torch.inference_mode(), trace:
             enc(px, meta, backend)
         return trace

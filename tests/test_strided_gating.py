@@ -62,7 +62,7 @@ def test_strided_plan_hands_views_of_the_qkv_buffer(setup):
 
 def _traced(layer, meta, x, strided):
     trace = QkvTrace([layer.qkv.weight])
-    backend = dataclasses.replace(get_backend("sdpa"), fn=trace.attention_call(get_backend("sdpa").fn))
+    backend = trace.recording(get_backend("sdpa"))
     with torch.inference_mode(), trace:
         layer(x, meta, VisionExecution(backend, strided))
     return trace

@@ -80,15 +80,33 @@ class QkvTrace(TorchDispatchMode):
                 self.events.append(Event("attn_end", {}))
         return call
 
+    def recording(self, backend) -> "_RecordingBackend":
+        """``backend`` with its call recorded, every other attribute its own."""
+        return _RecordingBackend(backend, self)
+
+
+class _RecordingBackend:
+    """Stands in for an attention backend: the call (``backend(...)`` or ``backend.fn(...)``)
+    is recorded by the trace, every other attribute is the backend's."""
+
+    def __init__(self, inner, trace: QkvTrace):
+        self._inner, self._trace = inner, trace
+
+    def __getattr__(self, name):
+        value = getattr(self._inner, name)
+        return self._trace.attention_call(value) if name == "fn" else value
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        return self._trace.attention_call(self._inner)(q, k, v, *args, **kwargs)
+
 
 def trace_encoder(runner, batch) -> QkvTrace:
     """Encode ``batch`` with ``runner`` (its plan as is) under a QkvTrace, its attention
     backend's call wrapped to record what the kernel receives."""
     layers = runner.model.encoder.layers
     trace = QkvTrace([layer.qkv.weight for layer in layers])
-    backend = runner.execution.attention
     saved = runner.execution
-    runner.execution = dataclasses.replace(saved, attention=dataclasses.replace(backend, fn=trace.attention_call(backend.fn)))
+    runner.execution = dataclasses.replace(saved, attention=trace.recording(saved.attention))
     try:
         with trace:
             runner.encode_images(batch)
