@@ -19,6 +19,8 @@ setup(
         "pyyaml>=6",
         "pillow>=10",
         "py-cpuinfo>=9",
+        "tokenizers>=0.20",     # the model dir's tokenizer.json
+        "jinja2>=3",            # chat templates
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],

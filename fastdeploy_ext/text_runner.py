@@ -253,4 +253,6 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         rows = [i for i, s in enumerate(step.seqs) if s.need_logits]
         out = self.out[bucket]
-        return out[:b].clone() if len(rows) == b else out[torch.as_tensor(rows, device=out.device)]
+        if len(rows) == b:
+            return out[:b].clone()
+        return out.index_select(0, self.r.upload(torch.as_tensor(rows, dtype=torch.int64)))
