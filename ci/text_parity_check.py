@@ -81,6 +81,13 @@ def main() -> int:
         model_dir = write_random_model(Path(tmp.name) / "m", args.device, args.tiny)
         res["random_model_write_s"] = round(time.perf_counter() - t0, 1)
 
+    from fastdeploy_ext.runner import available_backends, register_backend
+    if args.device not in available_backends():     # run from a source tree that is not installed
+        import importlib
+        name = {"cpu": "cpu_amx"}.get(args.device, args.device)
+        cls_name = {"cuda": "CudaRunner", "metax": "MetaxRunner", "cpu_amx": "CpuAmxRunner", "cpu": "CpuRunner"}
+        register_backend(args.device, getattr(importlib.import_module(f"backends.{name}"), cls_name[args.device]))
+        print(f"note: backend {args.device} registered from the source tree (package not installed)")
     runner = create_runner(PlanRequest(device=args.device, dtype="bfloat16"))
     if args.model is None:   # the random dir has no tokenizer: prompts are ids, the byte tokenizer stands in
         from fastdeploy_ext.models.paddleocr_vl import tokenizer as tk
