@@ -16,6 +16,7 @@ import torch
 
 from . import envs
 from .engine.step import KVCacheSpec, StepBatch
+from .fallbacks import fallback_notes
 from .models.paddleocr_vl.loader import build_vision_model, load_text, load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
@@ -110,6 +111,8 @@ class TorchRunner(DeviceRunner):
         plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
                             emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
                             text_head_dim=RELEASED_TEXT_HEAD_DIM, text_available=text_available)
+        # no silent fallbacks: what this device will run differently from the plan's decisions
+        plan = dataclasses.replace(plan, notes=plan.notes + fallback_notes(device, bool(plan.fused_layers.value), probe))
         return cls(plan, probe, row)
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):

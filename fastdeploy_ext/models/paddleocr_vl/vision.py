@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...fallbacks import GELU_UNFUSED_NOTE, fused_passes_usable, log_once
 from ...ops.attention import AttentionBackend
 from ...ops.rotary import rotary_in_place, rotary_out_of_place
-from ...ops.triton_fused import add_layer_norm, kernels_usable, rotary_q_and_k_in_place
+from ...ops.triton_fused import add_layer_norm, rotary_q_and_k_in_place
 from .config import VisionConfig
 from .metadata import VisionMetadata
 from .projector import Projector
@@ -103,7 +104,7 @@ class EncoderLayer(nn.Module):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             out = backend.fn(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
         else:
-            q, k, v = self._rotated(q, k, v, meta, ex.strided_qkv, ex.fused_layers and kernels_usable(qkv))
+            q, k, v = self._rotated(q, k, v, meta, ex.strided_qkv, ex.fused_layers and fused_passes_usable(qkv))
             out = backend.fn(q, k, v, meta, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
 
@@ -144,8 +145,10 @@ def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str) 
     """GELU(x @ w.T + b). On CUDA the tanh GELU is cuBLASLt's bias+GELU epilogue (one kernel, no
     round trip of the [N, intermediate] activation); elsewhere, and for exact GELU, ATen ops
     (torch's CPU _addmm_activation uses the erf GELU, not tanh)."""
-    if approx == "tanh" and x.is_cuda and _ADDMM_ACTIVATION is not None:
-        return _ADDMM_ACTIVATION(b, x, w.t(), use_gelu=True)
+    if approx == "tanh" and x.is_cuda:
+        if _ADDMM_ACTIVATION is not None:
+            return _ADDMM_ACTIVATION(b, x, w.t(), use_gelu=True)
+        log_once(GELU_UNFUSED_NOTE)
     return F.gelu(F.linear(x, w, b), approximate=approx)
 
 

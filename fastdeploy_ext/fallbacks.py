@@ -1,0 +1,79 @@
+"""No silent fallbacks: where a run takes another path than its plan's decisions promise, it is
+known before the first batch, written into the plan's notes and logged once per process.
+
+Today's fallbacks:
+* fused layers planned, but the Triton passes cannot run on the tensors' device (e.g. the
+  Triton interpreter with CUDA tensors): q/k rotary and residual+LayerNorm run as ATen ops;
+* fused layers on CUDA with a torch lacking the private ``_addmm_activation``: fc1's tanh GELU
+  is its own kernel instead of cuBLASLt's epilogue;
+* whatever the device probe could not find out (e.g. NVML's driver-version query failing):
+  the probe's ``notes``.
+
+The op that takes a fallback at run time logs the same message through ``log_once``, so a
+caller that never made a plan (a benchmark, a test) is told too — once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def log_once(message: str) -> None:
+    """Log ``message`` at WARNING the first time this process sees it (functools.cache: the
+    memo of what was said is the only state)."""
+    log.warning("%s", message)
+
+
+def rotary_aten_note(why: str) -> str:
+    return f"fused layers: q/k rotary and residual+LayerNorm run as ATen ops, not the Triton passes ({why})"
+
+
+GELU_UNFUSED_NOTE = ("fused layers: fc1's tanh GELU runs as its own kernel, not cuBLASLt's epilogue "
+                     "(this torch has no torch._addmm_activation)")
+
+
+def triton_passes_usable(device: torch.device) -> tuple[bool, str]:
+    from .ops.triton_fused import kernels_usable
+    if kernels_usable(torch.empty(0, device=device)):
+        return True, "Triton passes run on this device"
+    from .ops import triton_attention
+    if triton_attention.triton is None:
+        return False, "triton is not importable"
+    if triton_attention._TRITON_INTERPRETED:
+        return False, f"Triton runs interpreted (TRITON_INTERPRET=1): CPU tensors only, the device is {device.type}"
+    return False, f"Triton kernels need a CUDA device, the device is {device.type}"
+
+
+def fused_passes_usable(t: torch.Tensor) -> bool:
+    """Whether the Triton layer passes run on ``t``; when not, the rotary fallback is logged
+    (once) by the op that takes it."""
+    usable, why = triton_passes_usable(t.device)
+    if not usable:
+        log_once(rotary_aten_note(why))
+    return usable
+
+
+def addmm_activation_available() -> bool:
+    from .models.paddleocr_vl import vision
+    return vision._ADDMM_ACTIVATION is not None
+
+
+def fallback_notes(device: torch.device, fused_layers: bool, probe=None) -> tuple[str, ...]:
+    """The fallbacks a runner on ``device`` with this plan will take, as plan notes (each
+    logged once)."""
+    notes: list[str] = []
+    if fused_layers:
+        usable, why = triton_passes_usable(device)
+        if not usable:
+            notes.append(rotary_aten_note(why))
+        if device.type == "cuda" and not addmm_activation_available():
+            notes.append(GELU_UNFUSED_NOTE)
+    notes += [f"probe: {n}" for n in getattr(probe, "notes", ())]
+    for n in notes:
+        log_once(n)
+    return tuple(notes)
