@@ -24,6 +24,8 @@ setup(
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
+        # FlashAttention-3 forward kernels (Hopper, bf16) for the fa3_varlen attention backend
+        "fa3": ["fa3-fwd==0.0.3"],
         # pymxsml ships with the MACA SDK (not on PyPI): the extra exists so deployment recipes
         # can name it; it adds nothing.
         "metax": [],

@@ -10,7 +10,12 @@
 #   bench profile attn            bench vision, its per-kernel profile, the attention bench
 #   layers sweep tests (not in "all")  layer-op bench, attention config sweep, CUDA unit tests
 # Set FDX_COMMIT=<sha> (the tree has no .git there) so info.txt records the commit that ran.
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests]...
+#   preprocess amx (not in "all")  `bench preprocess` (1 and 16 workers vs both transformers
+#                processors); `bench vision --device cpu_amx` bf16 + fp32 and `bench gemm` on the
+#                host CPU (AMX_PIN_CHECK=1 adds a run pinned with OMP_PLACES/OMP_PROC_BIND)
+# The fa3 extra: carry the fa3-fwd wheel in .whl (pip download fa3-fwd==0.0.3 --no-deps -d .whl);
+# the default plan on cuda_sm90 then picks fa3_varlen (info.txt says whether it imported).
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -24,6 +29,7 @@ fi
 # pytest plugin) come from the wheel's metadata; the code imported is the tree's (cwd first).
 FDX="python3 -m fastdeploy_ext.entrypoints.cli"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/info.txt"
+python3 -c "from fastdeploy_ext.ops.fa3_attention import load_fa3; print('fa3:', load_fa3()[1])" | tee -a "$OUT/info.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/info.txt" 2>&1
 echo "commit: ${FDX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >> "$OUT/info.txt"
 steps=${*:-all}
@@ -51,7 +57,7 @@ if want attn; then
   tail -40 "$OUT/attn_bench.txt"
 fi
 if [[ " $steps " == *" tests "* ]]; then
-  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_fused_layers.py tests/test_triton_attention.py} \
+  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/test_fused_layers.py tests/test_triton_attention.py tests/test_fa3_backend.py tests/test_rotary.py} \
     > "$OUT/cuda_tests.txt" 2>&1 || rc=1
   tail -3 "$OUT/cuda_tests.txt"
 fi
@@ -63,5 +69,23 @@ if [[ " $steps " == *" sweep "* ]]; then
   OUT= timeout ${SWEEP_TIMEOUT:-120} python3 -m fastdeploy_ext.bench.attention --quick --no-flex --sweep \
     > "$OUT/attn_sweep.txt" 2>&1 || rc=1
   grep "# best" "$OUT/attn_sweep.txt"
+fi
+if [[ " $steps " == *" preprocess "* ]]; then
+  timeout ${PRE_TIMEOUT:-150} $FDX bench preprocess --images 16 --workers ${PRE_WORKERS:-1,16} --iters 2 --warmup 1 \
+    --json-out "$OUT/preprocess.json" > "$OUT/preprocess.txt" 2>&1 || rc=1
+  tail -14 "$OUT/preprocess.txt"
+fi
+if [[ " $steps " == *" amx "* ]]; then
+  # pinning must be in the environment before torch starts its OpenMP pool (backends/cpu_amx/threads.py)
+  for dt in bfloat16 float32; do
+    echo "### bench vision --device cpu_amx --dtype $dt" >> "$OUT/amx.txt"
+    OMP_PLACES=cores OMP_PROC_BIND=close timeout ${AMX_TIMEOUT:-150} $FDX bench vision --device cpu_amx --dtype $dt \
+      --workloads ${AMX_WORKLOADS:-img1536,block8x40} --variants ${AMX_VARIANTS:-strided/host/eager,dense/host/eager} \
+      --iters 3 --warmup 1 >> "$OUT/amx.txt" 2>&1 || rc=1
+  done
+  echo "### bench gemm --device cpu_amx" >> "$OUT/amx.txt"
+  OMP_PLACES=cores OMP_PROC_BIND=close timeout 120 $FDX bench gemm --device cpu_amx --tokens 320,1536 \
+    --json-out "$OUT/gemm.json" >> "$OUT/amx.txt" 2>&1 || rc=1
+  grep -E "^\s+(img1536|block8x40)|ceiling|encoder|oneDNN|###" "$OUT/amx.txt" | tail -24
 fi
 exit $rc

@@ -3,11 +3,18 @@ the matmuls; `info` shows oneDNN's verbose evidence that they ran. Without AMX i
 uses the `cpu` row (fp32)."""
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from fastdeploy_ext.platforms import probe_cpu
-from fastdeploy_ext.plan import CapabilityRow
+from fastdeploy_ext.plan import CapabilityRow, Decision
 from fastdeploy_ext.torch_runner import TorchRunner
+
+from .threads import configure_threads
+
+log = logging.getLogger(__name__)
 
 
 class CpuAmxRunner(TorchRunner):
@@ -32,6 +39,15 @@ class CpuAmxRunner(TorchRunner):
     @classmethod
     def torch_device(cls, probe) -> torch.device:
         return torch.device("cpu")
+
+    @classmethod
+    def create(cls, request, probe=None, table=None):
+        runner = super().create(request, probe=probe, table=table)
+        n, why = configure_threads()
+        runner.threads = Decision(n, why)
+        log.info("cpu threads: %d (%s); pinning: OMP_PLACES=%s OMP_PROC_BIND=%s", n, why,
+                 os.environ.get("OMP_PLACES", "unset"), os.environ.get("OMP_PROC_BIND", "unset"))
+        return runner
 
 
 class CpuRunner(CpuAmxRunner):

@@ -27,6 +27,11 @@ WORKLOADS = {
                                         (24, 24)] * 2],                                 # 10360 patches
     "block8x40": [(1, 8, 40)],
     "small64": [(1, h, w) for h, w in [(8, 40), (6, 30), (10, 24), (4, 60)] * 16],       # 15680 patches
+    # an A4 scan at 300 dpi (3508x2480) resized to the released checkpoint's max_pixels (2822400):
+    # smart_resize -> 1988x1400, 14200 patches in one sequence
+    "scan": [(1, 142, 100)],
+    "pages4": [(1, 78, 138)] * 4,
+    "img1536": [(1, 32, 48)],                                                           # the cpu_amx target shape                                                       # 4 pages, 43056 patches
 }
 
 
@@ -55,6 +60,9 @@ VARIANTS = (
     Variant("strided/host/graph", "strided", "host", True),
     Variant("strided/host/graph+fused", "strided", "host", True, fused_layers="on"),
     Variant("cudnn:strided/host/eager", "strided", "host", False, "off", "sdpa_cudnn"),
+    # the Triton kernel alone, for comparison where the plan picks fa3_varlen (fa3 extra installed)
+    Variant("triton:strided/host/fused", "strided", "host", False, "off", "triton_varlen_rope", "on"),
+    Variant("triton:strided/host/graph+fused", "strided", "host", True, "off", "triton_varlen_rope", "on"),
 )
 
 

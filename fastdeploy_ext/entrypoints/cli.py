@@ -219,6 +219,10 @@ def build_parser():
     bp = command_parser(bsub, "preprocess", "image preprocessing images/s at 1 and N workers vs transformers")
     preprocess_bench.add_arguments(bp)
     bp.set_defaults(func=preprocess_bench.run_cli)
+    from ..bench import gemm as gemm_bench
+    bg = command_parser(bsub, "gemm", "GEMM ceiling on the encoder's shapes vs the encoder's own GEMM rate")
+    gemm_bench.add_arguments(bg)
+    bg.set_defaults(func=gemm_bench.run_cli)
     return p
 
 

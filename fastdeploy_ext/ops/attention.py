@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 class _Meta(Protocol):
     seq_lens: list[int]
+    cu_seqlens: torch.Tensor
     max_seqlen: int
     extras: dict
 
@@ -90,12 +91,31 @@ def _triton_fn(fused_rotary: bool) -> AttentionFn:
     return run
 
 
+def _fa3_dispatch(q, k, v, meta: _Meta, scale: float, cos=None, sin=None):
+    """FlashAttention-3 for batches with long sequences, the Triton rope kernel for the others
+    (ops/fa3_attention.py says why and where the threshold comes from)."""
+    from .fa3_attention import LengthDispatch, fa3_min_seqlen, fa3_varlen
+    from .triton_fused import rotary_q_and_k_in_place
+    dispatch = LengthDispatch(
+        long_fn=lambda q, k, v, meta, scale: fa3_varlen(q, k, v, meta.cu_seqlens, meta.max_seqlen, scale),
+        short_fn=_triton_fn(True), rotate=rotary_q_and_k_in_place, min_seqlen=fa3_min_seqlen())
+    return dispatch(q, k, v, meta, scale, cos=cos, sin=sin)
+
+
+def _fa3_available(device: torch.device) -> tuple[bool, str]:
+    from .fa3_attention import fa3_available
+    return fa3_available(device)
+
+
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     b.name: b for b in (
         AttentionBackend("triton_varlen", reads_strides=True, fuses_rotary=False,
                          fn=_triton_fn(False), available=_triton_available, needs_block_table=True),
         AttentionBackend("triton_varlen_rope", reads_strides=True, fuses_rotary=True,
                          fn=_triton_fn(True), available=_triton_available, needs_block_table=True),
+        # per batch: FA3 (long sequences, rotary pre-pass) or triton_varlen_rope (short ones)
+        AttentionBackend("fa3_varlen", reads_strides=True, fuses_rotary=True,
+                         fn=_fa3_dispatch, available=_fa3_available, needs_block_table=True),
         AttentionBackend("sdpa_cudnn", reads_strides=True, fuses_rotary=False,
                          fn=_sdpa_loop("CUDNN_ATTENTION"), available=_cuda_only),
         AttentionBackend("sdpa_flash", reads_strides=True, fuses_rotary=False,

@@ -49,16 +49,54 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotary_out_of_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] in any dtype -> rotated copy in x's dtype (contiguous), computed in fp32."""
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' formula, ``x*cos + rotate_half(x)*sin`` in fp32: the bitwise reference of
+    the functions below (tests compare them)."""
     xf = x.float()
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return ((xf * c) + (rotate_half(xf) * s)).to(x.dtype)
 
 
+def _halves(cos: torch.Tensor, sin: torch.Tensor, d: int):
+    h = d // 2
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+
+
+def _rotate_into(x1, x2, c1, c2, s1, s2, o1, o2) -> None:
+    """o1 = x1*c1 - x2*s1, o2 = x2*c2 + x1*s2 in fp32. Bit-identical to the reference: its first
+    half is x1*c1 + (-x2)*s1, and (-a)*b == -(a*b), p + (-q) == p - q exactly in IEEE arithmetic;
+    no cat, no neg, half-width temporaries. o1 may not alias x1/x2; o2 may alias x2."""
+    t = torch.mul(x2, s1)
+    u = torch.mul(x1, s2)
+    torch.mul(x1, c1, out=o1)
+    o1.sub_(t)
+    torch.mul(x2, c2, out=o2)
+    o2.add_(u)
+
+
+def rotary_out_of_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] in any dtype -> rotated copy in x's dtype (contiguous), computed in fp32."""
+    d = x.shape[-1]
+    xf = x.float()
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    c1, c2, s1, s2 = _halves(cos, sin, d)
+    _rotate_into(xf[..., : d // 2], xf[..., d // 2:], c1, c2, s1, s2, out[..., : d // 2], out[..., d // 2:])
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 def rotary_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate a strided view (e.g. q inside the packed qkv buffer) in place, so the attention
     kernel still receives a view of that buffer. Same arithmetic as rotary_out_of_place, so the
-    values written are bit-identical to the dense path's."""
-    x.copy_(rotary_out_of_place(x, cos, sin))
+    values written are bit-identical to the dense path's. fp32 views are rotated where they are
+    (one half-width temporary for the first half instead of a full rotated copy copied back)."""
+    if x.dtype != torch.float32:
+        x.copy_(rotary_out_of_place(x, cos, sin))
+        return x
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    c1, c2, s1, s2 = _halves(cos, sin, d)
+    o1 = torch.empty(x1.shape, dtype=torch.float32, device=x.device)
+    _rotate_into(x1, x2, c1, c2, s1, s2, o1, x2)
+    x1.copy_(o1)
     return x

@@ -1,0 +1,164 @@
+"""`fastdeploy-ext bench gemm`: the GEMM ceiling on the encoder's own shapes, and how close the
+encoder gets to it.
+
+1. Ceiling: TFLOP/s of ``F.linear`` (bias included, as in the encoder) for the four layer GEMMs
+   (qkv 1152->3456, out_proj 1152->1152, fc1 1152->4304, fc2 4304->1152) at each --tokens count.
+2. Encoder: one profiled call of the real encoder (+ projector) on --workload; the GEMM ops' time
+   (addmm/mm/_addmm_activation, self time) against the FLOPs they do, so its rate and the ratio to
+   the ceiling at the same token count (FLOP-weighted over the four shapes); the top ops too.
+3. On CPU, oneDNN verbose evidence from a child process running the same shapes: which
+   implementation executed (e.g. ``brg_matmul:avx10_1_512_amx``).
+
+Nothing here asserts a time."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .timing import median_ms
+
+HIDDEN, INTER = 1152, 4304
+LAYER_SHAPES = {"qkv": (HIDDEN, 3 * HIDDEN), "out_proj": (HIDDEN, HIDDEN), "fc1": (HIDDEN, INTER), "fc2": (INTER, HIDDEN)}
+GEMM_OPS = ("aten::addmm", "aten::mm", "aten::_addmm_activation", "aten::bmm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_efficient_attention")
+
+_CHILD = r"""
+import sys, torch, torch.nn.functional as F
+m, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+with torch.inference_mode():
+    for k, n in %r:
+        x = torch.randn(m, k, dtype=dtype); w = torch.randn(n, k, dtype=dtype); b = torch.randn(n, dtype=dtype)
+        F.linear(x, w, b)
+print("fdx: done", flush=True)
+""" % (list(LAYER_SHAPES.values()),)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu_amx", help="cpu_amx, cpu or cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--tokens", default="320,1536", help="comma list of token counts (GEMM M) for the ceiling")
+    p.add_argument("--workload", default="img1536", help="bench vision workload the encoder runs")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json-out", default=None)
+
+
+def layer_gemm_flops(tokens: int) -> dict[str, float]:
+    return {name: 2.0 * tokens * k * n for name, (k, n) in LAYER_SHAPES.items()}
+
+
+def encoder_gemm_flops(tokens: int, layers: int, patch_dim: int, merge: int, text_hidden: int) -> float:
+    """All GEMM FLOPs of one encoder + projector call on ``tokens`` patches."""
+    per_layer = sum(layer_gemm_flops(tokens).values())
+    merged = tokens // (merge * merge)
+    proj_in = HIDDEN * merge * merge
+    return (layers * per_layer + 2.0 * tokens * patch_dim * HIDDEN
+            + 2.0 * merged * proj_in * proj_in + 2.0 * merged * proj_in * text_hidden)
+
+
+def weighted_ceiling(rates: dict[str, float], tokens: int) -> float:
+    """TFLOP/s of the four layer GEMMs run back to back at their measured rates."""
+    fl = layer_gemm_flops(tokens)
+    return sum(fl.values()) / sum(fl[n] / rates[n] for n in fl)
+
+
+def onednn_evidence(tokens: int, dtype: str) -> dict:
+    from ..platforms import parse_onednn_verbose
+    env = dict(os.environ, ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(tokens), dtype], env=env, capture_output=True,
+                           text=True, timeout=120)
+    except Exception as e:  # noqa: BLE001 - evidence is reported, never fatal
+        return {"amx_used": False, "reason": f"child failed: {type(e).__name__}: {e}"}
+    ev = parse_onednn_verbose(r.stdout + "\n" + r.stderr)
+    return {"amx_used": ev.amx_used, "kernels": ev.kernels, "isa": ev.isa, "reason": ev.reason,
+            "compute_primitives": ev.compute_primitives, "amx_primitives": ev.amx_primitives}
+
+
+def _profile_ops(fn) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.self_cpu_time_total / 1000 for e in prof.key_averages()}
+
+
+def run_cli(args) -> int:
+    from ..entrypoints.args import CliError
+    from ..plan import PlanError, PlanRequest
+    from ..runner import ModelSource, choose_device
+    from .vision import WORKLOADS
+
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        raise CliError(f"--tokens must be a comma list of integers, got {args.tokens!r}") from None
+    if not tokens or any(t < 1 for t in tokens):
+        raise CliError("--tokens must be positive")
+    if args.workload not in WORKLOADS:
+        raise CliError(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
+    try:
+        cls, probe, why = choose_device(args.device)
+        runner = cls.create(PlanRequest(device=args.device, dtype=args.dtype), probe=probe)
+    except (PlanError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+    device, dtype = runner.device, runner.dtype
+    print(f"bench gemm: device {runner.plan.device} (row {runner.plan.row}), {dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+    res: dict = {"device": runner.plan.device, "row": runner.plan.row, "dtype": str(dtype),
+                 "threads": torch.get_num_threads(), "ceiling": {}, "encoder": {}}
+    with torch.inference_mode():
+        for m in tokens:
+            rates = {}
+            for name, (k, n) in LAYER_SHAPES.items():
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                w = torch.randn(n, k, device=device, dtype=dtype)
+                b = torch.randn(n, device=device, dtype=dtype)
+                ms = median_ms(lambda: F.linear(x, w, b), args.warmup, args.iters, device.type)
+                rates[name] = 2.0 * m * k * n / (ms / 1000) / 1e12
+            res["ceiling"][m] = {"per_shape_tflops": rates, "weighted_tflops": weighted_ceiling(rates, m)}
+            print(f"  ceiling M={m:<6} " + "  ".join(f"{n} {r:6.2f}" for n, r in rates.items())
+                  + f"  -> weighted {res['ceiling'][m]['weighted_tflops']:.2f} TFLOP/s")
+
+        ModelSource(None, load_format="dummy").load_into(runner)
+        grids = WORKLOADS[args.workload]
+        n_tok = sum(t * h * w for t, h, w in grids)
+        pixels = runner.upload_pixels(torch.randn(n_tok, 3, 14, 14))
+        call = lambda: runner.encode_uploaded(pixels, grids)  # noqa: E731
+        total_ms = median_ms(call, args.warmup, args.iters, device.type)
+        ops = _profile_ops(call)
+        gemm_ms = sum(ops.get(k, 0.0) for k in GEMM_OPS)
+        attn_ms = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
+        vc = runner.cfg.vision
+        flops = encoder_gemm_flops(n_tok, vc.num_hidden_layers, 3 * vc.patch_size ** 2, vc.spatial_merge_size,
+                                   runner.cfg.text.hidden_size)
+        rate = flops / (gemm_ms / 1000) / 1e12 if gemm_ms else float("nan")
+        if n_tok not in res["ceiling"]:
+            print(f"  (ceiling at M={n_tok} not measured: add it to --tokens for the ratio)")
+        ceil = res["ceiling"].get(n_tok, {}).get("weighted_tflops")
+        res["encoder"] = {"workload": args.workload, "tokens": n_tok, "ms": total_ms, "gemm_ms_profiled": gemm_ms,
+                          "attention_ms_profiled": attn_ms, "gemm_tflop": flops / 1e12, "gemm_tflops": rate,
+                          "ceiling_tflops": ceil, "ratio_to_ceiling": (rate / ceil) if ceil else None,
+                          "top_ops_ms": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])}
+        e = res["encoder"]
+        print(f"  encoder {args.workload} ({n_tok} patches): {total_ms:.1f} ms; profiled GEMMs {gemm_ms:.1f} ms "
+              f"({flops / 1e12:.2f} TFLOP -> {rate:.2f} TFLOP/s"
+              + (f", {e['ratio_to_ceiling'] * 100:.0f}% of the {ceil:.2f} ceiling" if ceil else "")
+              + f"), attention {attn_ms:.1f} ms")
+        for k, v in e["top_ops_ms"].items():
+            print(f"    {v:9.2f} ms  {k}")
+    if device.type == "cpu":
+        res["onednn"] = onednn_evidence(n_tok, args.dtype)
+        print(f"  oneDNN on the encoder shapes (M={n_tok}): amx_used={res['onednn']['amx_used']} "
+              f"kernels={res['onednn'].get('kernels')}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
