@@ -77,7 +77,7 @@ if [[ " $steps " == *" preprocess "* ]]; then
 fi
 if [[ " $steps " == *" amx "* ]]; then
   # pinning must be in the environment before torch starts its OpenMP pool (backends/cpu_amx/threads.py)
-  for dt in bfloat16 float32; do
+  for dt in ${AMX_DTYPES:-bfloat16 float32}; do
     echo "### bench vision --device cpu_amx --dtype $dt" >> "$OUT/amx.txt"
     OMP_PLACES=cores OMP_PROC_BIND=close timeout ${AMX_TIMEOUT:-150} $FDX bench vision --device cpu_amx --dtype $dt \
       --workloads ${AMX_WORKLOADS:-img1536,block8x40} --variants ${AMX_VARIANTS:-strided/host/eager,dense/host/eager} \
