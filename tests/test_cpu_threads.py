@@ -35,3 +35,18 @@ def test_user_thread_setting_is_respected(monkeypatch):
     n0 = torch.get_num_threads()
     n, why = configure_threads()
     assert n == n0 and "set by the user" in why and torch.get_num_threads() == n0
+
+
+def test_omp_proc_bind_means_the_main_thread_mask_is_not_the_process(monkeypatch):
+    """Mutation-style guard for the H200 finding: under OMP_PROC_BIND the main thread's mask is
+    one core; the count must come from the online CPUs instead."""
+    import os
+
+    from backends.cpu_amx import threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    cpus, why = threads.usable_cpus()
+    assert cpus == set(range(16)) and "OMP_PROC_BIND" in why
+    monkeypatch.delenv("OMP_PROC_BIND")
+    assert threads.usable_cpus()[0] == {0}
