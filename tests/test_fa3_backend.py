@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fastdeploy_ext import envs
 from fastdeploy_ext.ops import fa3_attention as fa3
 from fastdeploy_ext.ops.rotary import rotary_in_place, rotary_out_of_place
-from fastdeploy_ext.plan import PlanRequest, load_table, resolve_plan
+from fastdeploy_ext.capabilities import capability_table as load_table
+from fastdeploy_ext.plan import PlanRequest, resolve_plan
 
 ALL = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
 
