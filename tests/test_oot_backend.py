@@ -8,6 +8,7 @@ fastdeploy_ext/ or backends/ knows it. Runs in the matrix's cpu/oot-backend leg.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -27,9 +28,11 @@ def installed(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("oot")
     src = shutil.copytree(PACKAGE, tmp / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     target = tmp / "site"
-    # --no-build-isolation: setuptools from this environment (no index needed); --no-deps: the
-    # framework is the one under test, already importable
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+    # --no-deps: the framework is the one under test, already importable. The build uses this
+    # environment's setuptools when it has one (no index needed); a Python without setuptools
+    # (3.12+ venvs) lets pip fetch it into an isolated build environment, as `pip install -e .` does.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
                     "--disable-pip-version-check", "--target", str(target), str(src)], check=True)
     assert (target / "fdx_acme" / "capabilities.yaml").is_file(), "the row must ship as package data"
     env = dict(os.environ)
