@@ -37,7 +37,8 @@ want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 rc=0
 if want matrix || want conformance; then
   { for d in cuda cpu_amx; do echo "### $FDX info --device $d"; $FDX info --device $d; done; } >> "$OUT/info.txt" 2>&1 || rc=1
-  timeout ${MATRIX_TIMEOUT:-560} python3 ci/run_matrix.py --gpu --require cuda,cpu_amx ${MATRIX_ARGS:-} \
+  # --deadline-s: legs stop in time for the table and the archive to be written within the call
+  python3 ci/run_matrix.py --gpu --require cuda,cpu_amx --deadline-s ${MATRIX_DEADLINE:-500} ${MATRIX_ARGS:-} \
     --junit-dir /tmp/fdx_matrix --archive "$OUT/matrix_junit.tar.gz" > "$OUT/matrix.txt" 2>&1 || rc=1
   sed -n '/^leg /,$p' "$OUT/matrix.txt"
 fi

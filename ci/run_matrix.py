@@ -226,8 +226,10 @@ def write_error_junit(path: Path, leg: Leg, message: str) -> None:
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
-def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[str], host: str = "ci") -> LegResult:
+def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[str], host: str = "ci",
+            time_left: float | None = None) -> LegResult:
     budget = leg.budgets[host]
+    limit = budget * HANG_FACTOR if time_left is None else min(budget * HANG_FACTOR, time_left)
     junit, log_path = out_dir / f"{leg.slug}.xml", out_dir / f"{leg.slug}.log"
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
            "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=system-out", *RUNS[leg.runs].args(leg, matrix), *extra]
@@ -245,14 +247,15 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=budget * HANG_FACTOR)
+            rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
             rc = None
     seconds = time.monotonic() - t0
     if rc is None:
-        msg = f"killed as hung after {seconds:.0f}s ({HANG_FACTOR}x its {budget}s budget)"
+        msg = (f"killed as hung after {seconds:.0f}s ({HANG_FACTOR}x its {budget}s budget)" if limit == budget * HANG_FACTOR
+               else f"killed after {seconds:.0f}s: the run's --deadline-s was reached")
         write_error_junit(junit, leg, msg)
         return LegResult(leg, "FAIL", budget, seconds, detail=msg)
     if not junit.exists():
@@ -313,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--archive", default=None, help="also pack the junit dir into this .tar.gz")
     ap.add_argument("--require", default="", metavar="DEVICE,...",
                     help="devices that must be on this machine: their legs fail instead of being listed as not run")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="wall-clock limit of the whole run (the GPU call's): a leg that cannot start in time "
+                         "fails as not run, a running one is stopped, and the table and archive are still written")
     ap.add_argument("--strict-budgets", action="store_true", help="a leg over its budget fails")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments for every leg (after --)")
@@ -336,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run_matrix: host={host}; devices here: " +
           "; ".join(f"{d}: {'yes' if ok else 'no'} ({why})" for d, (ok, why) in devices.items()), flush=True)
     results = []
+    start = time.monotonic()
     for leg in legs:
+        time_left = None if args.deadline_s is None else args.deadline_s - (time.monotonic() - start)
         reason = why_not_here(leg, host, devices)
         if reason is not None and leg.device in required and host in leg.hosts and not leg.pending:
             res = LegResult(leg, "FAIL", leg.budgets[host], detail=f"required here, but {reason}")
@@ -348,9 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                 write_not_run_junit(out / f"{leg.slug}.xml", leg, reason)
         elif args.list:
             res = LegResult(leg, "RUNNABLE", leg.budgets[host])
+        elif time_left is not None and time_left < 5:
+            res = LegResult(leg, "FAIL", leg.budgets[host], detail="not started: the run's --deadline-s was reached")
+            write_error_junit(out / f"{leg.slug}.xml", leg, res.detail)
         else:
             print(f"=== {leg.name} (budget {leg.budgets[host]}s)", flush=True)
-            res = run_leg(leg, matrix, out, args.python, args.pytest_args, host)
+            res = run_leg(leg, matrix, out, args.python, args.pytest_args, host, time_left)
             if args.strict_budgets and res.result == "PASS" and res.seconds > res.budget:
                 res.result = "FAIL"
             print(f"    {res.result} in {res.seconds:.1f}s {res.detail}", flush=True)

@@ -122,3 +122,16 @@ def test_a_required_device_that_is_absent_fails_the_run(tmp_path, capsys, monkey
     assert run_matrix.main(args) == 0                                # listed, not run
     assert run_matrix.main(args + ["--require", "cuda"]) == 1        # required: a failure
     assert "required here, but no cuda (test)" in capsys.readouterr().out
+
+
+def test_the_deadline_stops_the_run_and_still_reports(tmp_path, capsys):
+    """The GPU call has a hard limit: past --deadline-s the running leg is stopped and the rest
+    fail as not started, but the table and the archive are written."""
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("slow", "test_hang.py", budget=100) + leg("after"))
+    out = tmp_path / "j"
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out), "--deadline-s", "8",
+                            "--archive", str(tmp_path / "a.tgz")]) == 1
+    text = capsys.readouterr().out
+    assert "deadline-s was reached" in text and "not started" in text
+    assert (tmp_path / "a.tgz").is_file() and (out / "after.xml").is_file()
