@@ -148,19 +148,13 @@ class TextStepRunner:
                           self.upload(torch.as_tensor(logits_rows, dtype=torch.int64)), meta)
 
     # ---------------------------------------------------------------- forward
-    def attend_fn(self, meta: PagedStepMeta):
-        kv, backend, scale = self.kv, self.backend, self.scale
-        fn = backend.prefill if meta.is_prefill else backend.decode
-
-        def attend(layer: int, q, k, v):
-            kv.write(layer, k, v, meta.slot_mapping)
-            return fn(q, kv.k[layer], kv.v[layer], meta, scale)
-        return attend
+    def attention(self, meta: PagedStepMeta) -> "PagedAttention":
+        return PagedAttention(self, meta)
 
     def forward(self, inp: StepInputs) -> torch.Tensor:
         m = self.model
         x = m.embed(inp.token_ids, inp.image_embeds, inp.image_index)
-        h = m(x, inp.positions, self.attend_fn(inp.meta))
+        h = m(x, inp.positions, self.attention(inp.meta))
         return m.logits(h.index_select(0, inp.logits_index))
 
     @torch.no_grad()    # not inference_mode: the engine's sampler edits the logits in place
@@ -172,6 +166,28 @@ class TextStepRunner:
                 return out
             self.graph_fallbacks += 1
         return self.forward(self.build_inputs(step))
+
+
+class PagedAttention:
+    """The decoder's attention over the paged cache for one step (models/paddleocr_vl/text.py's
+    Attention protocol): the backend's prefill or decode function, the cache writes."""
+
+    def __init__(self, runner: TextStepRunner, meta: PagedStepMeta):
+        self.kv, self.meta, self.scale = runner.kv, meta, runner.scale
+        self.fn = runner.backend.prefill if meta.is_prefill else runner.backend.decode
+        c = runner.model.cfg
+        self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def __call__(self, layer: int, q, k, v):
+        self.kv.write(layer, k, v, self.meta.slot_mapping)
+        return self.attend_cached(layer, q)
+
+    def write_rotated(self, layer: int, qkv, cos, sin) -> None:
+        from .ops.triton_decoder_fused import rope_and_cache
+        rope_and_cache(qkv, cos, sin, self.kv.k[layer], self.kv.v[layer], self.meta.slot_mapping, *self.heads)
+
+    def attend_cached(self, layer: int, q):
+        return self.fn(q, self.kv.k[layer], self.kv.v[layer], self.meta, self.scale)
 
 
 class DecodeGraphs:

@@ -177,3 +177,76 @@ def test_interp_text_runner_with_triton_paged_equals_sdpa_paged():
         outs[name] = torch.cat(got)
     assert outs["sdpa_paged"].shape == (1 + 1 + 6, 50)
     assert (outs["sdpa_paged"] - outs["triton_paged"]).abs().max().item() <= 1e-4
+
+
+# ----------------------------------------------------------------- fused decoder layer passes
+@interp
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_interp_fused_passes_match_aten(dtype, tol):
+    from fastdeploy_ext.models.paddleocr_vl.text import MRope, RMSNorm, apply_rotary
+    from fastdeploy_ext.ops.triton_decoder_fused import add_rms_norm, rope_and_cache, silu_mul
+    g = torch.Generator().manual_seed(0)
+    t, hidden, hq, hkv, d = 5, 96, 4, 2, 32
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1, generator=g)
+    norm = norm.to(dtype)
+    res, delta = (torch.randn(t, hidden, generator=g).to(dtype) for _ in range(2))
+    want_res = res + delta
+    want = norm(want_res)
+    r = res.clone()
+    got = add_rms_norm(delta, r, norm.weight, 1e-5)
+    assert torch.equal(r, want_res) and (got.float() - want.float()).abs().max().item() <= tol * 4
+    assert (add_rms_norm(None, want_res.clone(), norm.weight, 1e-5).float() - want.float()).abs().max() <= tol * 4
+
+    rope = MRope(d, 5e5, (4, 6, 6))
+    cos, sin = rope(torch.randint(0, 300, (3, t), generator=g), dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    want_q = apply_rotary(q.reshape(t, hq, d), cos, sin)
+    want_k = apply_rotary(k.reshape(t, hkv, d), cos, sin)
+    kv_a = KVCache.allocate(1, 3, 16, hkv, d, dtype, torch.device("cpu"))
+    kv_b = KVCache.allocate(1, 3, 16, hkv, d, dtype, torch.device("cpu"))
+    slots = torch.tensor([3, 17, 40, 41, 0])
+    kv_a.write(0, want_k, v.reshape(t, hkv, d), slots)
+    buf = qkv.clone()
+    rope_and_cache(buf, cos, sin, kv_b.k[0], kv_b.v[0], slots, hq, hkv, d)
+    assert (buf[:, :hq * d].reshape(t, hq, d).float() - want_q.float()).abs().max().item() <= tol
+    assert torch.equal(buf[:, hq * d:], qkv[:, hq * d:])          # k and v are not touched in the buffer
+    assert (kv_b.k - kv_a.k).abs().max().item() <= tol and torch.equal(kv_b.v, kv_a.v)
+
+    gu = torch.randn(t, 2 * 80, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :80]) * gu[:, 80:]
+    assert (silu_mul(gu).float() - want.float()).abs().max().item() <= tol * 4
+
+
+@interp
+def test_interp_fused_decoder_equals_aten_decoder():
+    """The whole step path with the fused passes equals the ATen path (fp32), over chunked
+    prefill and decode steps."""
+    from fastdeploy_ext.engine.step import SeqStep, StepBatch
+    from fastdeploy_ext.models.paddleocr_vl.config import TextConfig
+    from fastdeploy_ext.models.paddleocr_vl.text import ErnieTextModel
+    from fastdeploy_ext.ops.paged_attention import PAGED_ATTENTION_BACKENDS
+    from fastdeploy_ext.text_runner import TextStepRunner
+    cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=50, mrope_section=(4, 6, 6))
+    torch.manual_seed(0)
+    model = ErnieTextModel(cfg, tied=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    outs = {}
+    for fused in (False, True):
+        model.fused = fused
+        r = TextStepRunner(model, PAGED_ATTENTION_BACKENDS["sdpa_paged"], block_size=16, device=torch.device("cpu"),
+                           dtype=torch.float32, image_token_id=49)
+        r.init_kv_cache(8)
+        pos = torch.stack([torch.arange(20), torch.arange(20) // 3, torch.arange(20) % 5])
+        got = [r.execute(StepBatch(True, [SeqStep(0, list(range(1, 13)), 0, [6, 1], pos[:, :12], -4, need_logits=False)])),
+               r.execute(StepBatch(True, [SeqStep(0, list(range(13, 21)), 12, [6, 1], pos[:, 12:], -4)]))]
+        for k in range(3):
+            got.append(r.execute(StepBatch(False, [SeqStep(0, [k + 2], 20 + k, [6, 1], None, -4)])))
+        outs[fused] = torch.cat(got)
+    assert outs[True].shape == (4, 50)
+    assert (outs[True] - outs[False]).abs().max().item() <= 1e-4
