@@ -169,6 +169,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench_generate(args) -> int:
+    import torch
+
+    from ..bench import generate as generate_bench
+    source = model_source_from_args(args, default_dummy=True)
+    config = engine_config_from_args(args, source, plan_request_from_args(args))
+    on_cpu = args.device in ("cpu", "cpu_amx") or (args.device == "auto" and not torch.cuda.is_available())
+    try:
+        opts = generate_bench.options_from_args(args, on_cpu)
+        return generate_bench.run_cli(config, opts)
+    except (PlanError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+
+
 def build_parser():
     p = root_parser("fastdeploy-ext", "Fast OCR VLM inference (PaddleOCR-VL)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -215,6 +229,12 @@ def build_parser():
     bl = command_parser(bsub, "layers", "non-attention ops of a layer: ATen vs the fused path (CUDA)")
     layer_ops.add_arguments(bl)
     bl.set_defaults(func=layer_ops.run_cli)
+    bg = command_parser(bsub, "generate", "end to end: page1 (TTFT, decode tok/s), pages64, lines256 vs transformers")
+    add_runner_args(bg)
+    add_engine_args(bg)
+    from ..bench import generate as generate_bench
+    generate_bench.add_arguments(bg)
+    bg.set_defaults(func=cmd_bench_generate)
     from ..bench import preprocess as preprocess_bench
     bp = command_parser(bsub, "preprocess", "image preprocessing images/s at 1 and N workers vs transformers")
     preprocess_bench.add_arguments(bp)
