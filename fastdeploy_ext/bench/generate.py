@@ -215,8 +215,9 @@ class TransformersReference:
         pv = torch.cat([im.pixel_values for p in procs for im in p.images])
         grid = torch.tensor([im.grid_thw for p in procs for im in p.images])
         d = self.device
+        mm = (ids == self.model.config.image_token_id).int()
         return dict(input_ids=ids.to(d), attention_mask=mask.to(d), pixel_values=pv.to(d, self.model.dtype),
-                    image_grid_thw=grid.to(d))
+                    image_grid_thw=grid.to(d), mm_token_type_ids=mm.to(d))
 
     def generate(self, images: list[bytes], prompt: str, tokens: int) -> tuple[float, list[list[int]]]:
         _sync(self.device)
