@@ -61,6 +61,11 @@ def _make_tiny_paddle(dst: Path, inputs: dict[str, Path]) -> None:
     write_paddle_twin(inputs["tiny_torch"], dst)
 
 
+def _make_tiny_vl(dst: Path, inputs: dict[str, Path]) -> None:
+    from .tiny_text_model import write_tiny_vl_model
+    write_tiny_vl_model(dst)
+
+
 def _make_images(dst: Path, inputs: dict[str, Path]) -> None:
     from .tiny_model import write_images
     write_images(dst)
@@ -82,6 +87,48 @@ def _make_encoder_features(dst: Path, inputs: dict[str, Path]) -> None:
                         "dtype": str(ENCODER_FEATURES_DTYPE)})
 
 
+GENERATE_PROMPT, GENERATE_MAX_TOKENS = "OCR:", 8
+
+
+def reference_greedy_ids(model_dir: Path, image_paths: list[Path], prompt: str, max_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate`, one request per image, fp32 on the CPU, for the prompt
+    our engine builds (same chat template, tokenizer and pixels)."""
+    from .tiny_text_model import load_reference
+    from ..engine.input_processor import InputLimits, InputProcessor, ModelPromptBuilder
+    from ..models.paddleocr_vl.config import PaddleOCRVLConfig
+    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+    from ..models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
+
+    class _Host:   # what ModelPromptBuilder reads from a runner
+        cfg = PaddleOCRVLConfig.from_model_dir(model_dir)
+        tokenizer = load_tokenizer(model_dir, cfg)
+        chat_template = load_chat_template(model_dir)
+    proc = InputProcessor(ModelPromptBuilder(_Host), ImageProcessor(PreprocessorConfig.from_model_dir(model_dir)),
+                          InputLimits(1, 1 << 30, 1 << 30))
+    model = load_reference(model_dir)
+    out = []
+    for path in image_paths:
+        pp = proc.process({"prompt": prompt, "images": [str(path)]})
+        ids = torch.tensor([pp.prompt_token_ids])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 pixel_values=torch.cat([im.pixel_values for im in pp.images]),
+                                 image_grid_thw=torch.tensor([im.grid_thw for im in pp.images]),
+                                 mm_token_type_ids=(ids == _Host.cfg.image_token_id).int(),
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _make_generate_greedy(dst: Path, inputs: dict[str, Path]) -> None:
+    import json
+    images = sorted(inputs["images"].glob("*.png"))
+    ids = reference_greedy_ids(inputs["tiny_vl"], images, GENERATE_PROMPT, GENERATE_MAX_TOKENS)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps({"prompt": GENERATE_PROMPT, "max_tokens": GENERATE_MAX_TOKENS,
+                               "images": [p.name for p in images], "token_ids": ids}, indent=1))
+
+
 PRODUCERS: tuple[Producer, ...] = (
     Producer("tiny_torch", "model_dir", "tiny_torch",
              "random tiny PaddleOCR-VL (vision 2x72 heads, 2 layers; text 1 layer), save_pretrained, bf16 weights",
@@ -94,6 +141,13 @@ PRODUCERS: tuple[Producer, ...] = (
              "transformers get_image_features(...).pooler_output, fp32 on the CPU, one tensor per image, "
              "for our processor's pixels of `images`",
              ("tiny_torch", "images"), _make_encoder_features),
+    Producer("tiny_vl", "model_dir", "tiny_vl",
+             "random tiny PaddleOCR-VL with an ERNIE decoder (2 layers, GQA 4/2, vocab 320), tokenizer.json and the "
+             "released chat template: the generation tests' model", (), _make_tiny_vl),
+    Producer("generate_greedy", "json", "expected/generate_greedy.json",
+             "transformers generate, greedy, fp32 on the CPU: 8 new tokens (ignore eos) per shipped image, "
+             "prompt 'OCR:' in the tiny_vl chat template, one request per image",
+             ("tiny_vl", "images"), _make_generate_greedy),
 )
 
 
