@@ -75,6 +75,15 @@ class LLMEngine:
                  num_blocks.value * spec.block_size, num_blocks.value * spec.bytes_per_block / 2**20, num_blocks.reason)
         runner.init_kv_cache(num_blocks.value)
         self.kv_decision = num_blocks
+        # decode graphs point into the KV cache just allocated: captured after it, every time
+        capture = getattr(runner, "capture_decode_graphs", None)
+        if callable(capture):
+            report = capture(config.max_num_seqs, config.max_model_len)
+            if report.captured:
+                log.info("decode graphs: batch sizes %s captured in %.2fs, %.1f MiB", report.paths.get("decode"),
+                         report.capture_seconds, report.graph_memory_bytes / 2**20)
+            else:
+                log.info("decode graphs: none (%s)", report.reason)
         self.block_manager = BlockManager(num_blocks.value, spec.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
         self.input_processor = input_processor or self._create_input_processor(runner, config)
@@ -102,6 +111,11 @@ class LLMEngine:
         runner = create_runner(config.plan)
         runner.load_model(config.model, load_format=config.load_format, model_format=config.model_format,
                           with_text=True)
+        report = runner.capture_graphs()          # encoder graphs, as the plan says
+        log.info("encoder graphs: %s", f"{report.captured} captured {report.paths}" if report.captured
+                 else f"none ({report.reason})")
+        for line in runner.describe().splitlines():
+            log.info("%s", line)
         return runner
 
     @staticmethod
@@ -231,6 +245,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             seq.finish_reason = FinishReason.ABORT
             seq.metrics.finish = time.time()
+            self.output_processor.flush(seq)
             self._counters["num_aborted"] += 1
             outputs.append(self.output_processor.make_output(seq, self._sent.pop(seq.seq_id, 0)))
         return outputs
@@ -325,15 +340,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ observability
     def stats(self) -> EngineStats:
         c = self._counters
-        gstats = getattr(self.runner, "decode_graph_stats", None)
-        gstats = gstats() if callable(gstats) else {}
+        text = getattr(self.runner, "text", None)       # the runner's decode side (graph counters)
         with self._lock:
             pre = len(self._pending)
         bm = self.block_manager
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            num_preprocessing=pre, kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used,
                            kv_usage=bm.usage, block_size=bm.block_size, num_preemptions=self.scheduler.num_preemptions,
-                           graph_hits=int(gstats.get("hits", 0)), graph_fallbacks=int(gstats.get("fallbacks", 0)),
+                           graph_hits=int(getattr(text, "graph_hits", 0)),
+                           graph_fallbacks=int(getattr(text, "graph_fallbacks", 0)),
                            max_prefill=bool(self.max_prefill.value), **c)
 
     def shutdown(self) -> None:

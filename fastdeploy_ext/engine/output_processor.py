@@ -85,14 +85,19 @@ class OutputProcessor:
         if logprob is not None:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob["logprob"]
-        new_text = self._detokenize(seq)
+        # incremental text only where someone reads it before the end (streams, stop strings);
+        # otherwise the output is decoded once when it finishes (two tokenizer calls per token
+        # and sequence would cost the step loop ~2 ms per step at batch 64)
+        incremental = seq.stream or bool(seq.params.stop)
+        new_text = self._detokenize(seq) if incremental else ""
         self._check_stop(seq, token, new_text)
         if seq.finish_reason is not None and not (seq.finish_reason == FinishReason.STOP and isinstance(seq.stop_reason, str)):
-            new_text += self._flush(seq)
+            new_text += self.flush(seq)
         return new_text
 
-    def _flush(self, seq: Sequence) -> str:
-        """The request ended: decode whatever a pending UTF-8 sequence held back."""
+    def flush(self, seq: Sequence) -> str:
+        """The request ended: decode whatever a pending UTF-8 sequence held back (everything,
+        for a request that was not detokenized incrementally)."""
         if self.tokenizer is None or not seq.params.detokenize or seq.read_offset >= seq.num_tokens:
             return ""
         skip = seq.params.skip_special_tokens
