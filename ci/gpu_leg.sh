@@ -15,7 +15,10 @@
 #                host CPU (AMX_PIN_CHECK=1 adds a run pinned with OMP_PLACES/OMP_PROC_BIND)
 # The fa3 extra: carry the fa3-fwd wheel in .whl (pip download fa3-fwd==0.0.3 --no-deps -d .whl);
 # the default plan on cuda_sm90 then picks fa3_varlen (info.txt says whether it imported).
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx]...
+#   generate (not in "all")  `bench generate --load-format dummy` bf16: page1 (TTFT, batch-1 decode),
+#                pages64, lines256 vs transformers generate on the same random weights
+#                (GENERATE_ARGS narrows it, e.g. "--workloads page1,pages64 --ref-batch 16")
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -61,6 +64,11 @@ if [[ " $steps " == *" tests "* ]]; then
   timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/test_fused_layers.py tests/test_triton_attention.py tests/test_fa3_backend.py tests/test_rotary.py} \
     > "$OUT/cuda_tests.txt" 2>&1 || rc=1
   tail -3 "$OUT/cuda_tests.txt"
+fi
+if [[ " $steps " == *" generate "* ]]; then
+  timeout ${GENERATE_TIMEOUT:-540} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 \
+    --json-out "$OUT/bench_generate.json" ${GENERATE_ARGS:-} > "$OUT/bench_generate.txt" 2>&1 || rc=1
+  grep -E "page1|pages64|lines256|Traceback|Error" "$OUT/bench_generate.txt" | tail -12
 fi
 if [[ " $steps " == *" layers "* ]]; then
   OUT= timeout ${LAYERS_TIMEOUT:-90} python3 -m fastdeploy_ext.bench.layer_ops ${LAYERS_ARGS:-} > "$OUT/layer_ops.txt" 2>&1 || rc=1

@@ -75,9 +75,14 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     penal = [i for i, r in enumerate(reqs) if r.repetition_penalty != 1.0 and r.history]
     if penal:
         _apply_repetition_penalty(logits, penal, reqs)
+    bans: dict[tuple, list[int]] = {}
     for i, r in enumerate(reqs):
         if r.banned_ids:
-            logits[i, list(r.banned_ids)] = float("-inf")
+            bans.setdefault(tuple(r.banned_ids), []).append(i)
+    for ids, rows in bans.items():       # one masked write per distinct ban list (usually one)
+        idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        cols = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[idx.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
 
     greedy = all(r.temperature == 0.0 for r in reqs)
     next_ids = logits.argmax(dim=-1)
