@@ -8,14 +8,13 @@ docs/PERFORMANCE.md); not yet run: the session's device time was spent.
 """
 import torch
 
-from fastdeploy_ext.ops import triton_attention as ta
+from fastdeploy_ext.ops.triton import varlen_attention as ta
 
 n, h, d = 512, 16, 72
 qkv = torch.randn(n, 3 * h * d, device="cuda", dtype=torch.bfloat16)
 q, k, v = qkv.view(n, 3, h, d).unbind(1)
 real = ta.build_block_table([320]).cuda()
-padded = torch.cat([real, torch.tensor([[0, 1, ta.BLOCK_M]], dtype=torch.int32, device="cuda").repeat(
-    n // ta.BLOCK_M + 64 - real.shape[0], 1)])
+padded = torch.cat([real, ta.noop_block_table(n // ta.BLOCK_M + 64 - real.shape[0], "cuda")])
 outs = {}
 for name, bt in (("real rows only", real), ("padded like a graph", padded)):
     out = torch.zeros(n, h, d, device="cuda", dtype=torch.bfloat16)

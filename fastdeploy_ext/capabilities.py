@@ -30,17 +30,17 @@ Schema (one entry under ``rows:`` per device family)::
         dtypes: [bfloat16, float32]    # what --dtype may ask for
         default_dtype: bfloat16
         attention:                     # attention backends in preference order
-          - {backend: sdpa, reads_strides: true, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
+          - {backend: sdpa, dtypes: [bfloat16]}    # optional reads_strides: false (not verified here)
         host_grid_thw: true            # metadata from host ints (zero device syncs) is supported
         graphs: {kinds: [encoder], default: false}    # capture kinds and whether on by default
-        compile_layers: {supported: false, default: false}
         fused_layers: {supported: false, default: false}   # optional (absent = unsupported)
         text_attention:                # optional: the text decoder's paged attention backends
           - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
         kv_block_size: 16              # optional: tokens per KV block (default 16)
 
-(``attention`` entries name backends of ``fastdeploy_ext/ops/attention.py``; ``reads_strides``
-says whether the kernel honours explicit q/k/v strides on this device. ``text_attention``
+(``attention`` entries name backends of ``fastdeploy_ext/ops/attention/varlen.py``, whose
+objects own their kernel facts (strided reads, head dims, graph safety); a row gives the dtypes
+and may only narrow strided reads with ``reads_strides: false``. ``text_attention``
 entries name backends of ``fastdeploy_ext/ops/paged_attention.py``; ``graph_safe`` there means
 the decode can be captured, which the `decoder` graph kind needs.)
 

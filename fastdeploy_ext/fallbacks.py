@@ -38,13 +38,12 @@ GELU_UNFUSED_NOTE = ("fused layers: fc1's tanh GELU runs as its own kernel, not 
 
 
 def triton_passes_usable(device: torch.device) -> tuple[bool, str]:
-    from .ops.triton_fused import kernels_usable
-    if kernels_usable(torch.empty(0, device=device)):
+    from .ops.triton import runtime
+    if runtime.kernels_usable(torch.empty(0, device=device)):
         return True, "Triton passes run on this device"
-    from .ops import triton_attention
-    if triton_attention.triton is None:
+    if runtime.triton is None:
         return False, "triton is not importable"
-    if triton_attention._TRITON_INTERPRETED:
+    if runtime.TRITON_INTERPRETED:
         return False, f"Triton runs interpreted (TRITON_INTERPRET=1): CPU tensors only, the device is {device.type}"
     return False, f"Triton kernels need a CUDA device, the device is {device.type}"
 
@@ -59,8 +58,9 @@ def fused_passes_usable(t: torch.Tensor) -> bool:
 
 
 def addmm_activation_available() -> bool:
-    from .models.paddleocr_vl import vision
-    return vision._ADDMM_ACTIVATION is not None
+    """torch has the private op ops.activation.linear_gelu fuses the GELU with (looked up at
+    call time there too)."""
+    return getattr(torch, "_addmm_activation", None) is not None
 
 
 def fallback_notes(device: torch.device, fused_layers: bool, probe=None) -> tuple[str, ...]:

@@ -2,14 +2,20 @@
 
 Each graph path (e.g. "blocks" for small layout crops, "pages" for whole pages) captures the
 encoder + projector at token budgets doubling from its minimum to its maximum (plus the
-maximum). A batch is packed greedily, in order, into groups that fit a path; each group is padded
-to the smallest budget that holds it and replayed; images no path accepts run eager. All
-metadata (position embeddings, rotary tables, merge permutation, the attention block table) is
-prepared outside the graph on the host path and copied into the graph's static buffers with
-device-to-device copies: replay makes no host sync.
+maximum). By default a batch that fits one budget of one path is padded to the smallest such
+budget and replayed, and any other batch runs as one eager packed pass (measured faster than
+several padded replays: see route_batch). With ``encoder_split_oversize_batches`` a batch is
+instead packed greedily, in order, into groups that fit a path, each padded and replayed, and
+only images no path accepts run eager. All metadata (position embeddings, rotary tables, merge
+permutation, the attention backend's state) is prepared outside the graph on the host path and
+copied into the graph's static buffers with device-to-device copies: replay makes no host sync.
 
-Padding needs an attention kernel whose launch does not depend on the batch: the Triton varlen
-kernel runs a fixed grid over a block table padded with no-op entries.
+Padding needs an attention backend whose launch does not depend on the batch (``graph_safe``):
+the backend object supplies the static state its captured launch reads (for the Triton varlen
+kernel, a block table padded with no-op rows) and loads each batch's state into it.
+
+Which paths are captured by default: DEFAULT_GRAPH_PATHS in plan.py (small batches only; a
+whole page lost to eager when padded).
 """
 from __future__ import annotations
 
@@ -40,26 +46,22 @@ class _BudgetGraph:
     """Static buffers + one captured graph for a budget of `tokens` patches."""
 
     def __init__(self, runner, tokens: int, max_segments: int):
-        from .ops.triton_attention import BLOCK_M
         m = runner.model
         dev, dt = runner.device, runner.dtype
         vc = runner.cfg.vision
         self.tokens = tokens
-        self.max_blocks = tokens // BLOCK_M + max_segments
         self.pixels = torch.zeros(tokens, vc.num_channels * vc.patch_size ** 2, device=dev, dtype=dt)
         self.pos = torch.zeros(tokens, vc.hidden_size, device=dev, dtype=dt)
         self.cos = torch.ones(tokens, vc.head_dim, device=dev, dtype=torch.float32)
         self.sin = torch.zeros(tokens, vc.head_dim, device=dev, dtype=torch.float32)
         self.merge_index = torch.arange(tokens, device=dev)
-        # Unused block-table rows must be valid no-ops for the kernel's fixed grid: a 1-token
-        # sequence at offset 0 whose query block starts past its end stores nothing. (Each still
-        # computes one masked tile: docs/PERFORMANCE.md, "one 8x40 block", for the cost.)
-        self.noop_table = torch.tensor([[0, 1, BLOCK_M]], device=dev, dtype=torch.int32).repeat(self.max_blocks, 1)
-        self.block_table = self.noop_table.clone()
+        # the attention state the captured launch reads; unused entries are no-ops (each still
+        # costs a little: docs/PERFORMANCE.md, "one 8x40 block")
+        self.attention_state = runner.execution.attention.graph_state(tokens, max_segments, dev)
         self.meta = VisionMetadata(
             num_tokens=tokens, seq_lens=[tokens], cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32),
             max_seqlen=tokens, cos=self.cos, sin=self.sin, pos_embed=self.pos, merge_index=self.merge_index,
-            out_split_sizes=[tokens // 4], grids=[], source="graph", extras={"block_table": self.block_table})
+            out_split_sizes=[tokens // 4], grids=[], source="graph", attention_state=self.attention_state.state)
         self.model, self.execution = m, runner.execution
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
@@ -73,7 +75,7 @@ class _BudgetGraph:
         return self._forward()[:n // 4]
 
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
-        # Warm up on a side stream (Triton compiles/autotunes, torch.compile specialises).
+        # Warm up on a side stream (Triton compiles its kernels for these shapes).
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward()
@@ -90,9 +92,7 @@ class _BudgetGraph:
         self.cos[:n].copy_(meta.cos)
         self.sin[:n].copy_(meta.sin)
         self.merge_index[:n].copy_(meta.merge_index)
-        bt = meta.extras["block_table"]
-        self.block_table.copy_(self.noop_table)
-        self.block_table[:bt.shape[0]].copy_(bt)
+        self.attention_state.load(meta.attention_state)
         self.graph.replay()
         return self.out[:n // 4]
 
@@ -137,8 +137,8 @@ class EncoderGraphs:
     def __init__(self, runner, paths: tuple[EncoderGraphPath, ...], split_oversize: bool = False):
         if runner.device.type != "cuda":
             raise RuntimeError("encoder graphs need a CUDA device")
-        if not runner.execution.attention.needs_block_table:
-            raise RuntimeError(f"encoder graphs need a fixed-grid attention kernel, plan has "
+        if not runner.execution.attention.graph_safe:
+            raise RuntimeError(f"encoder graphs need a graph-safe attention backend, plan has "
                                f"{runner.execution.attention.name}")
         self.runner, self.paths, self.split_oversize = runner, paths, split_oversize
         self.graphs: dict[tuple[str, int], _BudgetGraph] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -25,11 +25,23 @@ class PlanError(ValueError):
 # ----------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class AttentionEntry:
+    """One attention backend of a row: the row's dtypes for it, and optionally
+    ``reads_strides: false`` where strided loads are not verified on this device (a row can
+    only narrow what the backend object says of its kernel, never widen it)."""
     backend: str
-    reads_strides: bool
-    head_dims: tuple[int, int]
     dtypes: tuple[str, ...]
-    graph_safe: bool = False
+    reads_strides: bool | None = None      # None: the backend's own fact
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What an attention backend object (ops/attention/) says of its kernel, with its
+    availability on the probed device: the plan's view of it."""
+    reads_strides: bool
+    graph_safe: bool
+    head_dims: tuple[int, int]
+    present: bool
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,6 @@ class CapabilityRow:
     host_grid_thw: bool
     graph_kinds: tuple[str, ...]
     graphs_default: bool
-    compile_supported: bool
-    compile_default: bool
     fused_supported: bool = False
     fused_default: bool = False
     source: str = field(default="", compare=False)   # the file it came from (fastdeploy_ext/capabilities.py)
@@ -67,12 +77,17 @@ class CapabilityRow:
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
-        att = tuple(AttentionEntry(a["backend"], bool(a["reads_strides"]), tuple(a["head_dims"]),
-                                   tuple(a["dtypes"]), bool(a.get("graph_safe", False)))
-                    for a in d["attention"])
-        return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], att,
+        att = []
+        for a in d["attention"]:
+            unknown = set(a) - {"backend", "dtypes", "reads_strides"}
+            if unknown:     # kernel facts (head dims, graph safety) live on the backend objects
+                raise ValueError(f"row {name}: attention entry {a.get('backend')!r} has unknown keys {sorted(unknown)}")
+            if a.get("reads_strides", False):
+                raise ValueError(f"row {name}: {a['backend']}: reads_strides can only be false (a row narrows "
+                                 "the backend's own fact)")
+            att.append(AttentionEntry(a["backend"], tuple(a["dtypes"]), a.get("reads_strides")))
+        return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], tuple(att),
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
-                   bool(d["compile_layers"]["supported"]), bool(d["compile_layers"]["default"]),
                    bool(d.get("fused_layers", {}).get("supported", False)),
                    bool(d.get("fused_layers", {}).get("default", False)),
                    text_attention=tuple(TextAttentionEntry(a["backend"], tuple(a["head_dims"]), tuple(a["dtypes"]),
@@ -190,7 +205,6 @@ class PlanRequest:
     attention_backend: str = "auto"
     qkv_layout: str = "auto"
     grid_thw: str = "auto"
-    compile_layers: str = "auto"
     fused_layers: str = "auto"
     graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
     capabilities: str | None = None      # --capabilities FILE.yaml: rows overriding the shipped ones
@@ -199,7 +213,6 @@ class PlanRequest:
     def validate(self) -> None:
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),
                                      ("grid_thw", self.grid_thw, GRID_SOURCES),
-                                     ("compile_layers", self.compile_layers, SWITCHES),
                                      ("fused_layers", self.fused_layers, SWITCHES)):
             if value not in allowed:
                 raise PlanError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
@@ -223,7 +236,6 @@ class RunPlan:
     qkv_layout: Decision
     grid_thw: Decision
     graphs: Decision             # value: tuple of EncoderGraphPath, () when off
-    compile_layers: Decision
     fused_layers: Decision = Decision(False, "not requested")
     text_attention: Decision = Decision("sdpa_paged", "default")
     kv_block_size: Decision = Decision(DEFAULT_KV_BLOCK_SIZE, "default")
@@ -241,7 +253,7 @@ class RunPlan:
 
     def decisions(self) -> dict[str, Decision]:
         return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
-                "grid_thw": self.grid_thw, "graphs": self.graphs, "compile_layers": self.compile_layers,
+                "grid_thw": self.grid_thw, "graphs": self.graphs,
                 "fused_layers": self.fused_layers, "text_attention": self.text_attention,
                 "kv_block_size": self.kv_block_size, "decode_graphs": self.decode_graphs}
 
@@ -322,12 +334,13 @@ def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text_
 
 
 def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_dim: int,
-                 available: dict[str, tuple[bool, str]], emulated: bool = False,
+                 kernels: Mapping[str, KernelFacts], emulated: bool = False,
                  consumers_needing_dense: tuple[str, ...] = (), row_reason: str = "",
                  text_head_dim: int = 128, text_available: dict[str, tuple[bool, str]] | None = None) -> RunPlan:
-    """``available``: vision backend name -> (present, reason) as probed at run time on this
-    device; ``text_available`` the same for the text decoder's paged backends (None: probe them
-    here on ``device``).
+    """``kernels``: vision backend name -> its facts and presence on this device (from the
+    backend objects: ops.attention.varlen.kernel_facts); a listed backend missing there is
+    unavailable. ``text_available`` the same for the text decoder's paged backends (None: probe
+    them here on ``device``).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
     contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
     request.validate()
@@ -344,13 +357,18 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         raise PlanError(f"row {row.name} does not support dtype {request.dtype}; it supports {', '.join(row.dtypes)}")
 
     # attention backend: the row's preference list, filtered by head dim, dtype and presence
+    missing = KernelFacts(False, False, (0, 0), False, "not registered")
+
+    def facts(e: AttentionEntry) -> KernelFacts:
+        return kernels.get(e.backend, missing)
+
     def usable(e: AttentionEntry) -> str | None:
-        if not e.head_dims[0] <= head_dim <= e.head_dims[1]:
-            return f"head_dim {head_dim} outside {list(e.head_dims)}"
+        f = facts(e)
+        if e.backend in kernels and not f.head_dims[0] <= head_dim <= f.head_dims[1]:
+            return f"head_dim {head_dim} outside {list(f.head_dims)}"
         if dtype.value not in e.dtypes:
             return f"dtype {dtype.value} not in {list(e.dtypes)}"
-        ok, why = available.get(e.backend, (False, "not registered"))
-        return None if ok else f"kernel unavailable: {why}"
+        return None if f.present else f"kernel unavailable: {f.reason}"
 
     entries = {e.backend: e for e in row.attention}
     gc = request.graph_config
@@ -375,8 +393,8 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
             raise PlanError(f"row {row.name}: no attention backend can run here ({'; '.join(notes)})")
         chosen = candidates[0]
         att_reason = f"first usable in row {row.name} preference order"
-        graph_safe = [e for e in candidates if e.graph_safe]
-        if gc.use_encoder_cudagraph and not chosen.graph_safe and graph_safe:
+        graph_safe = [e for e in candidates if facts(e).graph_safe]
+        if gc.use_encoder_cudagraph and not facts(chosen).graph_safe and graph_safe:
             # graphs explicitly requested (e.g. the MetaX opt-in): the replay needs a fixed grid
             chosen = graph_safe[0]
             att_reason = f"encoder graphs requested: first graph-safe backend of row {row.name}"
@@ -385,8 +403,10 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
 
     # qkv layout
     blockers = []
-    if not chosen.reads_strides:
-        blockers.append(f"{chosen.backend} does not read strided q/k/v on row {row.name}")
+    if not facts(chosen).reads_strides:
+        blockers.append(f"{chosen.backend} does not read strided q/k/v")
+    elif chosen.reads_strides is False:
+        blockers.append(f"{chosen.backend}'s strided loads are not verified on row {row.name}")
     blockers += [f"{c} needs dense q/k/v" for c in consumers_needing_dense]
     if request.qkv_layout == "strided" and blockers:
         raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
@@ -411,10 +431,10 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
         raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
     want = row.graphs_default if gc.use_encoder_cudagraph is None else gc.use_encoder_cudagraph
-    graph_safe = [e for e in row.attention if e.graph_safe and not usable(e)]
+    graph_safe = [e for e in row.attention if facts(e).graph_safe and not usable(e)]
     if not want:
         graphs = Decision((), "off by default on row " + row.name if gc.use_encoder_cudagraph is None else "use_encoder_cudagraph=false")
-    elif not chosen.graph_safe:
+    elif not facts(chosen).graph_safe:
         if gc.use_encoder_cudagraph:
             raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
                             f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
@@ -427,30 +447,18 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
         graphs = Decision(tuple(gc.encoder_graph_paths),
                           "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
 
-    # compile the non-attention halves of each layer
-    if request.compile_layers == "on" and not row.compile_supported:
-        raise PlanError(f"row {row.name} does not support compiled layers")
-    if request.compile_layers == "auto":
-        comp = Decision(row.compile_default, f"default of row {row.name}")
-    else:
-        comp = Decision(request.compile_layers == "on", "requested")
-
     # fused residual/bias/LayerNorm + rotary passes (Triton) and the GEMM's GELU epilogue
     if request.fused_layers == "on" and not row.fused_supported:
         raise PlanError(f"row {row.name} does not support fused layers (they need Triton on CUDA)")
-    if request.fused_layers == "on" and comp.value:
-        raise PlanError("--fused-layers on and --compile-layers on are exclusive: both replace the same "
-                        "non-attention ops of each layer")
     # the fused passes are Triton kernels: usable exactly where the Triton attention kernel is
-    triton_ok = available.get("triton_varlen", (False, "triton_varlen not listed"))
+    triton = kernels.get("triton_varlen")
+    triton_ok = (triton.present, triton.reason) if triton else (False, "triton_varlen not registered")
     if request.fused_layers == "off":
         fused = Decision(False, "requested")
     elif request.fused_layers == "on":
         if not triton_ok[0]:
             raise PlanError(f"row {row.name}: fused layers need Triton: {triton_ok[1]}")
         fused = Decision(True, "requested")
-    elif comp.value:
-        fused = Decision(False, "compiled layers replace the same ops")
     elif not row.fused_default:
         fused = Decision(False, f"off by default on row {row.name}")
     elif not triton_ok[0]:
@@ -478,6 +486,6 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
 
     return RunPlan(runner=row.runner, row=row.name, device=device, emulated=emulated, dtype=dtype,
                    attention=attention, attention_fallbacks=fallbacks, qkv_layout=qkv, grid_thw=grid,
-                   graphs=graphs, compile_layers=comp, fused_layers=fused, text_attention=text_att,
+                   graphs=graphs, fused_layers=fused, text_attention=text_att,
                    kv_block_size=kv_bs, decode_graphs=decode_graphs, notes=tuple(notes),
                    graph_split_oversize=gc.encoder_split_oversize_batches)

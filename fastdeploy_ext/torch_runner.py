@@ -20,10 +20,10 @@ from .fallbacks import fallback_notes
 from .models.paddleocr_vl.loader import build_vision_model, load_text, load_vision
 from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
 from .models.paddleocr_vl.vision import VisionExecution
-from .ops.attention import ATTENTION_BACKENDS, get_backend
 from .capabilities import capability_table
-from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
+from .ops.attention.varlen import get_backend, kernel_facts
 from .ops.paged_attention import PAGED_ATTENTION_BACKENDS, get_paged_backend
+from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard
 
@@ -106,9 +106,8 @@ class TorchRunner(DeviceRunner):
         if row.source:
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
-        available = {name: b.available(device) for name, b in ATTENTION_BACKENDS.items()}
         text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
-        plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, available=available,
+        plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, kernels=kernel_facts(device),
                             emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
                             text_head_dim=RELEASED_TEXT_HEAD_DIM, text_available=text_available)
         # no silent fallbacks: what this device will run differently from the plan's decisions
@@ -146,8 +145,6 @@ class TorchRunner(DeviceRunner):
                                                              model_format=model_format)
         self._check_head_dim(self.cfg.vision.head_dim)
         self._init_metadata()
-        if self.plan.compile_layers.value:
-            self._compile_layers()
         if with_text:
             self._load_text(src, model_format)
         log.info("model loaded in %.2fs: %s layout, %s, %s", time.perf_counter() - t0, self.load_report.layout,
@@ -160,13 +157,7 @@ class TorchRunner(DeviceRunner):
         self.meta_builder = MetadataBuilder(
             head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
             pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device,
-            cache_capacity=envs.FD_POS_EMBED_CACHE_SIZE.get())
-        if self.execution.attention.needs_block_table:
-            from .ops.triton_attention import build_block_table
-
-            def add_block_table(meta: VisionMetadata, upload):
-                meta.extras["block_table"] = upload(build_block_table(meta.seq_lens))
-            self.meta_builder.extra_builders.append(add_block_table)
+            cache_capacity=envs.FD_POS_EMBED_CACHE_SIZE.get(), attention=self.execution.attention)
 
     def _load_text(self, model_dir, model_format: str) -> None:
         from .models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
@@ -245,15 +236,11 @@ class TorchRunner(DeviceRunner):
     def _check_head_dim(self, head_dim: int) -> None:
         """The plan is resolved before the model is read, for the released head_dim (72); a
         checkpoint with another head_dim must still fit the chosen kernel."""
-        entry = {e.backend: e for e in self.row.attention}[self.plan.attention.value]
-        lo, hi = entry.head_dims
+        backend = self.execution.attention
+        lo, hi = backend.head_dims
         if not lo <= head_dim <= hi:
-            raise PlanError(f"row {self.plan.row}: attention backend {entry.backend} supports head_dim "
+            raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
                             f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
-
-    def _compile_layers(self) -> None:
-        from .models.paddleocr_vl.vision import compile_layer_halves
-        compile_layer_halves(self.model.encoder)
 
     def _require_model(self):
         if self.model is None:

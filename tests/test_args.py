@@ -53,7 +53,7 @@ def test_bad_graph_config_is_a_cli_error():
 
 
 @pytest.mark.parametrize("argv", [["info", "--bogus"], ["encode", "--image", "x", "--output", "o", "--bogus", "1"], ["bench", "vision", "--bogus"],
-                                  ["info", "--compile"]])      # no abbreviation of removed/unknown flags either
+                                  ["info", "--compile"], ["info", "--compile-layers", "on"]])   # removed; no abbreviations
 def test_unknown_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -1,4 +1,5 @@
-"""The optional FlashAttention-3 backend (ops/fa3_attention.py).
+"""The optional FlashAttention-3 backend (ops/attention/fa3.py, the fa3_varlen object in
+ops/attention/varlen.py).
 
 CPU tests: the selection logic (plan, per-batch dispatch, capture rule) and the wheel's import
 quirk, with a FAKE `fa3_fwd_interface` (a stand-in written to a temp dir that computes
@@ -15,12 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from fastdeploy_ext import envs
-from fastdeploy_ext.ops import fa3_attention as fa3
+from fastdeploy_ext.ops.attention import fa3
 from fastdeploy_ext.ops.rotary import rotary_in_place, rotary_out_of_place
 from fastdeploy_ext.capabilities import capability_table as load_table
 from fastdeploy_ext.plan import PlanRequest, resolve_plan
 
-ALL = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
+from .plan_facts import ALL_PRESENT, absent
+
+ALL = absent("not installed", "fa3_varlen")      # the kernel facts, fa3 present or not per test
 
 FAKE_CONFIG = "CONFIG = {'build_flags': {'FLASHATTENTION_DISABLE_FP16': True}}\n"
 # Mirrors the real wheel's quirk: the interface imports `flash_attn_config`, which is not shipped.
@@ -60,19 +63,20 @@ def fake_fa3(tmp_path, monkeypatch):
 
 def test_plan_prefers_fa3_when_usable_and_says_why_when_not():
     row = load_table()["cuda_sm90"]
-    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, available={**ALL, "fa3_varlen": (True, "ok")})
+    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, kernels=ALL_PRESENT)
     assert p.attention.value == "fa3_varlen" and p.strided_qkv
-    assert "triton_varlen_rope" in p.attention_fallbacks
-    missing = (False, "fa3_fwd_interface not installed (pip install fastdeploy_ext[fa3], i.e. fa3-fwd)")
-    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, available={**ALL, "fa3_varlen": missing})
-    assert p.attention.value == "triton_varlen_rope"
+    assert "triton_rope_varlen" in p.attention_fallbacks
+    missing = absent("fa3_fwd_interface not installed (pip install fastdeploy_ext[fa3], i.e. fa3-fwd)", "fa3_varlen")
+    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, kernels=missing)
+    assert p.attention.value == "triton_rope_varlen"
     assert any("fa3_varlen skipped" in n and "not installed" in n for n in p.notes)
     # this build has no fp16 kernels: fp16 plans skip it by the table's dtype list
     p = resolve_plan(row, PlanRequest(dtype="float16"), device="cuda:0", head_dim=72,
-                     available={**ALL, "fa3_varlen": (True, "ok")})
-    assert p.attention.value == "triton_varlen_rope"
+                     kernels=ALL_PRESENT)
+    assert p.attention.value == "triton_rope_varlen"
     # graphs need graph-safe backends; fa3_varlen is (FA3 itself is never captured)
-    assert {e.backend: e.graph_safe for e in row.attention}["fa3_varlen"] is True
+    from fastdeploy_ext.ops.attention.varlen import get_backend
+    assert get_backend("fa3_varlen").graph_safe is True
     # other rows do not list it
     assert all("fa3_varlen" not in {e.backend for e in load_table()[r].attention} for r in ("cuda_sm80", "cpu_amx"))
 
@@ -137,7 +141,7 @@ class _Meta:
         self.seq_lens = lens
         self.max_seqlen = max(lens)
         self.cu_seqlens = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-        self.extras = {}
+        self.attention_state = None
 
 
 def _inputs(lens, h=2, d=8):
@@ -218,8 +222,8 @@ CUDA_LENS = {"page-like": [3000], "blocks": [320, 720, 600, 540, 900, 500, 1024,
 @pytest.mark.parametrize("case", list(CUDA_LENS))
 def test_cuda_fa3_strided_equals_dense_and_matches_reference(case):
     _real_fa3()
-    from fastdeploy_ext.ops.attention import get_backend
-    from fastdeploy_ext.ops.triton_attention import build_block_table
+    from fastdeploy_ext.ops.attention.varlen import get_backend
+    from fastdeploy_ext.ops.triton.varlen_attention import build_block_table
     lens, h, d = CUDA_LENS[case], 16, 72
     n = sum(lens)
     g = torch.Generator(device="cpu").manual_seed(3)
@@ -228,28 +232,28 @@ def test_cuda_fa3_strided_equals_dense_and_matches_reference(case):
     cos, sin = (torch.cat([ang.cos()] * 2, -1).cuda(), torch.cat([ang.sin()] * 2, -1).cuda())
     meta = _Meta(lens)
     meta.cu_seqlens = meta.cu_seqlens.cuda()
-    meta.extras["block_table"] = build_block_table(lens).cuda()
+    meta.attention_state = build_block_table(lens).cuda()
     be = get_backend("fa3_varlen")
     a = qkv.clone()
     q, k, v = a.view(n, 3, h, d).unbind(1)
-    strided = be.fn(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
+    strided = be(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
     q, k, v = (t.contiguous() for t in qkv.clone().view(n, 3, h, d).unbind(1))
-    dense = be.fn(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
+    dense = be(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
     assert torch.equal(strided, dense)
     ref = _reference(qkv.float().cpu(), cos.cpu(), sin.cpu(), lens, h, d)
     cosine = F.cosine_similarity(strided.float().cpu().flatten(), ref.flatten(), dim=0).item()
     assert cosine >= 0.9999, cosine
     # the page-like batch took FA3, the blocks too (longest 1024 >= 512): FA3's output differs
     # from the Triton kernel's (other accumulation order) but both match the reference
-    tri = get_backend("triton_varlen_rope").fn(*(t.contiguous() for t in qkv.clone().view(n, 3, h, d).unbind(1)),
+    tri = get_backend("triton_rope_varlen")(*(t.contiguous() for t in qkv.clone().view(n, 3, h, d).unbind(1)),
                                                meta, d ** -0.5, cos=cos, sin=sin)
     assert F.cosine_similarity(tri.float().flatten(), strided.float().flatten(), dim=0).item() >= 0.9999
 
 
 def test_cuda_fa3_backend_under_graph_capture_uses_triton():
     _real_fa3()
-    from fastdeploy_ext.ops.attention import get_backend
-    from fastdeploy_ext.ops.triton_attention import build_block_table
+    from fastdeploy_ext.ops.attention.varlen import get_backend
+    from fastdeploy_ext.ops.triton.varlen_attention import build_block_table
     lens, h, d = [1024, 512], 16, 72
     n = sum(lens)
     qkv = torch.randn(n, 3 * h * d, device="cuda", dtype=torch.bfloat16)
@@ -257,18 +261,18 @@ def test_cuda_fa3_backend_under_graph_capture_uses_triton():
     sin = torch.zeros(n, d, device="cuda")
     meta = _Meta(lens)
     meta.cu_seqlens = meta.cu_seqlens.cuda()
-    meta.extras["block_table"] = build_block_table(lens).cuda()
+    meta.attention_state = build_block_table(lens).cuda()
     be = get_backend("fa3_varlen")
     work = qkv.clone()
     q, k, v = work.view(n, 3, h, d).unbind(1)
-    be.fn(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)        # warm-up (Triton compile) outside capture
+    be(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)        # warm-up (Triton compile) outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = be.fn(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
+        out = be(q, k, v, meta, d ** -0.5, cos=cos, sin=sin)
     work.copy_(qkv)
     graph.replay()
     torch.cuda.synchronize()
     q2, k2, v2 = qkv.clone().view(n, 3, h, d).unbind(1)
-    tri = get_backend("triton_varlen_rope").fn(q2, k2, v2, meta, d ** -0.5, cos=cos, sin=sin)
+    tri = get_backend("triton_rope_varlen")(q2, k2, v2, meta, d ** -0.5, cos=cos, sin=sin)
     assert torch.equal(out, tri)   # the captured path is the Triton kernel, bit for bit

@@ -11,7 +11,7 @@ from fastdeploy_ext import fallbacks
 from fastdeploy_ext.models.paddleocr_vl import vision
 from fastdeploy_ext.models.paddleocr_vl.config import VisionConfig
 from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
-from fastdeploy_ext.ops.attention import get_backend
+from fastdeploy_ext.ops.attention.varlen import get_backend
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def test_missing_addmm_activation_is_noted_on_cuda(monkeypatch, caplog):
     cuda = torch.device("cuda")
     present = fallbacks.fallback_notes(cuda, fused_layers=True)
     assert (fallbacks.GELU_UNFUSED_NOTE in present) == (not fallbacks.addmm_activation_available())
-    monkeypatch.setattr(vision, "_ADDMM_ACTIVATION", None)
+    monkeypatch.delattr(torch, "_addmm_activation", raising=False)
     assert fallbacks.fallback_notes(cuda, fused_layers=True) == (fallbacks.GELU_UNFUSED_NOTE,)
     assert len(_records(caplog, "_addmm_activation")) == 1
 
@@ -59,8 +59,8 @@ def test_probe_notes_reach_the_plan_notes():
 def test_the_op_taking_the_rotary_fallback_logs_it_once(caplog):
     """Fused layers asked of a layer whose tensors the Triton passes cannot take (CPU, not
     interpreted): the rotary runs in ATen and says so, once."""
-    from fastdeploy_ext.ops import triton_attention
-    if triton_attention._TRITON_INTERPRETED:
+    from fastdeploy_ext.ops.triton import runtime
+    if runtime.TRITON_INTERPRETED:
         pytest.fail("run without TRITON_INTERPRET: interpreted Triton takes CPU tensors")
     caplog.set_level(logging.WARNING, logger="fastdeploy_ext.fallbacks")
     cfg = VisionConfig(hidden_size=144, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56)

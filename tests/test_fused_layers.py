@@ -15,19 +15,20 @@ import torch.nn.functional as F
 from fastdeploy_ext.models.paddleocr_vl.config import VisionConfig
 from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
 from fastdeploy_ext.models.paddleocr_vl.vision import VisionEncoder, VisionExecution
-from fastdeploy_ext.ops import triton_attention as ta
-from fastdeploy_ext.ops import triton_fused as tf
-from fastdeploy_ext.ops.attention import get_backend
 from fastdeploy_ext.capabilities import capability_table
+from fastdeploy_ext.ops import norm, rotary
+from fastdeploy_ext.ops.attention.varlen import get_backend
+from fastdeploy_ext.ops.triton import runtime as rt
 from fastdeploy_ext.plan import PlanError, PlanRequest, resolve_plan
 
+from .plan_facts import ALL_PRESENT, absent
+
 _REPO = Path(__file__).resolve().parents[1]
-ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
-interp = pytest.mark.skipif(not ta._TRITON_INTERPRETED, reason="runs in test_fused_interpreter_subprocess")
+interp = pytest.mark.skipif(not rt.TRITON_INTERPRETED, reason="runs in test_fused_interpreter_subprocess")
 
 
 def _device():
-    return "cuda" if (torch.cuda.is_available() and not ta._TRITON_INTERPRETED) else "cpu"
+    return "cuda" if (torch.cuda.is_available() and not rt.TRITON_INTERPRETED) else "cpu"
 
 
 # ----------------------------------------------------------------------- kernels vs references
@@ -35,15 +36,15 @@ def _check_add_ln(device, dtype, n=37, hidden=144, tol=0.0):
     g = torch.Generator().manual_seed(1)
     x, d = (torch.randn(n, hidden, generator=g).to(device, dtype) for _ in range(2))
     b, w, lb = (torch.randn(hidden, generator=g).to(device, dtype) for _ in range(3))
-    ref_r, ref_y = tf.add_layer_norm_torch(x, d, b, w, lb, 1e-6)
+    ref_r, ref_y = norm.add_layer_norm_torch(x, d, b, w, lb, 1e-6)
     xr = x.clone()
-    r, y = tf.add_layer_norm(xr, d, b, w, lb, 1e-6, out=xr)      # residual updated in place
+    r, y = norm.add_layer_norm(xr, d, b, w, lb, 1e-6, out=xr)      # residual updated in place
     assert r.data_ptr() == xr.data_ptr()
     # fp32: same value; half types: the kernel sums x + d + b in fp32 before one rounding,
     # ATen rounds after each add -> at most one unit of the last place apart
     assert torch.allclose(r.float(), ref_r.float(), rtol=0, atol=tol * ref_r.float().abs().max().item() + 1e-6)
     assert torch.allclose(y.float(), ref_y.float(), rtol=0, atol=max(tol, 1e-5) * 8)
-    r2, y2 = tf.add_layer_norm(x, None, None, w, lb, 1e-6)          # plain LayerNorm
+    r2, y2 = norm.add_layer_norm(x, None, None, w, lb, 1e-6)          # plain LayerNorm
     assert r2 is x
     assert torch.allclose(y2.float(), F.layer_norm(x, (hidden,), w, lb, 1e-6).float(), rtol=0,
                           atol=max(tol, 1e-5) * 8)
@@ -55,8 +56,8 @@ def _check_rotary(device, dtype, n=29, heads=3, d=72):
     cos, sin = (torch.randn(n, d, generator=g).to(device) for _ in range(2))
     ref = qkv.clone()
     v_before = qkv[:, 2 * heads * d:].clone()
-    tf.rotary_qk_in_place(qkv[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
-    tf.rotary_qk_in_place_torch(ref[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
+    rotary.rotary_qk_in_place(qkv[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
+    rotary.rotary_qk_in_place_torch(ref[:, :2 * heads * d].view(n, 2 * heads, d), cos, sin)
     assert torch.equal(qkv[:, 2 * heads * d:], v_before), "v must not be touched"
     # fp32 math then one rounding on both sides; the compiled kernel may contract to FMA
     assert torch.allclose(qkv.float(), ref.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
@@ -76,31 +77,6 @@ def test_interp_rotary_qk(dtype):
     _check_rotary("cpu", dtype)
 
 
-@interp
-@pytest.mark.parametrize("mode", ["prepass", "q_fused"])
-def test_interp_attention_rotary_in_place(mode):
-    """varlen_attention(rotary_in_place=True) rotates q/k of the packed buffer in place (q and k
-    in one launch for the pre-pass) and gives the same output as the copying pre-pass."""
-    lens, h, d = [5, 17, 9], 2, 72
-    n = sum(lens)
-    g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(n, 3 * h * d, generator=g)
-    cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    bt = ta.build_block_table(lens, block_m=16)
-    q, k, v = qkv.view(n, 3, h, d).unbind(1)
-    copy = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, cos=cos, sin=sin, rotary_mode=mode,
-                               block_m=16, block_n=16)
-    before = qkv.clone()
-    inplace = ta.varlen_attention(q, k, v, bt, max(lens), d ** -0.5, cos=cos, sin=sin, rotary_mode=mode,
-                                  block_m=16, block_n=16, rotary_in_place=True)
-    assert torch.allclose(inplace, copy, rtol=0, atol=1e-5)
-    expect = before.clone()
-    rotated = 2 * h * d if mode == "prepass" else h * d      # q_fused: only k is pre-rotated
-    start = 0 if mode == "prepass" else h * d
-    tf.rotary_qk_in_place_torch(expect[:, start:2 * h * d].view(n, rotated // d, d), cos, sin)
-    assert torch.equal(qkv, expect)
-
-
 @pytest.mark.skipif(_device() != "cuda", reason="compiled Triton needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernels(dtype):
@@ -111,28 +87,28 @@ def test_cuda_kernels(dtype):
 def test_fused_interpreter_subprocess():
     """The test_interp_* tests in a child process with TRITON_INTERPRET=1 (set before import)."""
     pytest.importorskip("triton")
-    if ta._TRITON_INTERPRETED:
+    if rt.TRITON_INTERPRETED:
         pytest.skip("already interpreting: the test_interp_* tests run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "test_interp_"], cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
-    assert res.returncode == 0 and "7 passed" in res.stdout, out[-4000:]
+    assert res.returncode == 0 and "5 passed" in res.stdout, out[-4000:]
 
 
 def test_bad_shapes_are_clear_errors():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="delta must match"):
-        tf.add_layer_norm(x, torch.randn(4, 9), None, torch.ones(8), torch.zeros(8), 1e-6)
+        norm.add_layer_norm(x, torch.randn(4, 9), None, torch.ones(8), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="weight must be a contiguous \\[8\\]"):
-        tf.add_layer_norm(x, None, None, torch.ones(9), torch.zeros(8), 1e-6)
+        norm.add_layer_norm(x, None, None, torch.ones(9), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="bias must be a contiguous"):
-        tf.add_layer_norm(x, torch.randn(4, 8), torch.ones(16)[::2], torch.ones(8), torch.zeros(8), 1e-6)
+        norm.add_layer_norm(x, torch.randn(4, 8), torch.ones(16)[::2], torch.ones(8), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="cos must be fp32"):
-        tf.rotary_qk_in_place(torch.randn(4, 2, 8), torch.randn(4, 8).double(), torch.randn(4, 8))
+        rotary.rotary_qk_in_place(torch.randn(4, 2, 8), torch.randn(4, 8).double(), torch.randn(4, 8))
     with pytest.raises(ValueError, match="even head dim"):
-        tf.rotary_qk_in_place(torch.randn(4, 2, 7), torch.randn(4, 7), torch.randn(4, 7))
+        rotary.rotary_qk_in_place(torch.randn(4, 2, 7), torch.randn(4, 7), torch.randn(4, 7))
 
 
 # ----------------------------------------------------------------------- fused encoder == eager
@@ -167,21 +143,16 @@ def test_fused_encoder_matches_eager():
 # ----------------------------------------------------------------------- plan decision
 def test_fused_layers_plan_decision():
     t = capability_table()
-    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, kernels=ALL_PRESENT)
     assert p.fused_layers.value is True and "default of row cuda_sm90" in p.fused_layers.reason
-    p = resolve_plan(t["cuda_sm90"], PlanRequest(compile_layers="on"), device="cuda:0", head_dim=72,
-                     available=ALL_AVAILABLE)
-    assert p.fused_layers.value is False and "compiled" in p.fused_layers.reason
-    with pytest.raises(PlanError, match="exclusive"):
-        resolve_plan(t["cuda_sm90"], PlanRequest(compile_layers="on", fused_layers="on"), device="cuda:0",
-                     head_dim=72, available=ALL_AVAILABLE)
-    no_triton = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"),
-                     triton_varlen_rope=(False, "triton not importable"))
-    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=no_triton)
+    no_triton = absent("triton not importable", "triton_varlen", "triton_rope_varlen")
+    p = resolve_plan(t["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, kernels=no_triton)
     assert p.fused_layers.value is False and "triton not importable" in p.fused_layers.reason
+    with pytest.raises(PlanError, match="fused layers need Triton: triton not importable"):
+        resolve_plan(t["cuda_sm90"], PlanRequest(fused_layers="on"), device="cuda:0", head_dim=72, kernels=no_triton)
     with pytest.raises(PlanError, match="cpu"):
-        resolve_plan(t["cpu"], PlanRequest(fused_layers="on"), device="cpu", head_dim=72, available=ALL_AVAILABLE)
-    p = resolve_plan(t["cpu"], PlanRequest(), device="cpu", head_dim=72, available={"sdpa": (True, "ok")})
+        resolve_plan(t["cpu"], PlanRequest(fused_layers="on"), device="cpu", head_dim=72, kernels=ALL_PRESENT)
+    p = resolve_plan(t["cpu"], PlanRequest(), device="cpu", head_dim=72, kernels={"sdpa": ALL_PRESENT["sdpa"]})
     assert p.fused_layers.value is False
 
 

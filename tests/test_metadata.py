@@ -9,7 +9,7 @@ from fastdeploy_ext.conformance.tiny_model import reference_image_features
 from fastdeploy_ext.models.paddleocr_vl.loader import load_vision
 from fastdeploy_ext.models.paddleocr_vl.metadata import BatchError, MetadataBuilder, validate_grids
 from fastdeploy_ext.models.paddleocr_vl.vision import VisionExecution
-from fastdeploy_ext.ops.attention import get_backend
+from fastdeploy_ext.ops.attention.varlen import get_backend
 from fastdeploy_ext.ops.pos_embed import LFUCache
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from fastdeploy_ext.capabilities import capability_table
 from fastdeploy_ext.plan import (EncoderGraphPath, GraphOptimizationConfig, PlanError, PlanRequest,
                                  resolve_plan)
 
-ALL_AVAILABLE = {n: (True, "ok") for n in ("triton_varlen", "triton_varlen_rope", "sdpa_cudnn", "sdpa_flash", "sdpa")}
+from .plan_facts import ALL_PRESENT, absent
 
 
 def test_table_has_the_four_device_families():
@@ -19,48 +19,47 @@ def test_table_has_the_four_device_families():
 
 
 def test_h200_plan():
-    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
-    assert p.dtype.value == "bfloat16" and p.attention.value == "triton_varlen_rope"
-    assert p.strided_qkv and p.host_metadata and p.graphs.value and not p.compile_layers.value
+    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, kernels=ALL_PRESENT)
+    assert p.dtype.value == "bfloat16" and p.attention.value == "triton_rope_varlen"
+    assert p.strided_qkv and p.host_metadata and p.graphs.value and p.fused_layers.value
     assert p.attention_fallbacks == ("triton_varlen", "sdpa_cudnn", "sdpa")
 
 
 def test_h200_without_triton_falls_back_and_turns_graphs_off():
-    avail = dict(ALL_AVAILABLE, triton_varlen=(False, "triton not importable"),
-                 triton_varlen_rope=(False, "triton not importable"))
-    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, available=avail)
+    avail = absent("triton not importable", "triton_varlen", "triton_rope_varlen")
+    p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=72, kernels=avail)
     assert p.attention.value == "sdpa_cudnn"
     assert any("triton_varlen skipped" in n and "triton not importable" in n for n in p.notes)
     assert p.graphs.value == () and "cannot be replayed" in p.graphs.reason
     with pytest.raises(PlanError, match="cuda_sm90"):
         resolve_plan(capability_table()["cuda_sm90"], PlanRequest(graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True)),
-                     device="cuda:0", head_dim=72, available=avail)
+                     device="cuda:0", head_dim=72, kernels=avail)
 
 
 def test_fp32_on_h200_skips_bf16_only_kernels():
     p = resolve_plan(capability_table()["cuda_sm90"], PlanRequest(dtype="float32"), device="cuda:0", head_dim=72,
-                     available=ALL_AVAILABLE)
+                     kernels=ALL_PRESENT)
     assert p.attention.value == "sdpa"
 
 
 def test_metax_row_is_dense_host_graphs_opt_in():
     row = capability_table()["metax_c500"]
-    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
-    assert p.qkv_layout.value == "dense" and "does not read strided" in p.qkv_layout.reason
+    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, kernels=ALL_PRESENT, emulated=True)
+    assert p.qkv_layout.value == "dense" and "not verified on row metax_c500" in p.qkv_layout.reason
     assert p.host_metadata and p.graphs.value == () and p.emulated and "EMULATED" in p.describe()
     with pytest.raises(PlanError, match="metax_c500"):
-        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="cuda:0", head_dim=72, available=ALL_AVAILABLE)
+        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="cuda:0", head_dim=72, kernels=ALL_PRESENT)
 
 
 def test_head_dim_outside_every_kernel_is_an_error():
     with pytest.raises(PlanError, match="cuda_sm90"):
-        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=1024, available=ALL_AVAILABLE)
+        resolve_plan(capability_table()["cuda_sm90"], PlanRequest(), device="cuda:0", head_dim=1024, kernels=ALL_PRESENT)
 
 
 def test_bad_flag_values_are_plan_errors():
     with pytest.raises(PlanError, match="qkv-layout"):
         resolve_plan(capability_table()["cpu"], PlanRequest(qkv_layout="diagonal"), device="cpu", head_dim=72,
-                     available=ALL_AVAILABLE)
+                     kernels=ALL_PRESENT)
 
 
 def test_graph_config_json():
@@ -107,12 +106,12 @@ def test_oversize_batches_run_eager_unless_split():
 def test_metax_graph_opt_in_switches_to_the_graph_safe_kernel():
     row = capability_table()["metax_c500"]
     req = PlanRequest(graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True))
-    p = resolve_plan(row, req, device="cuda:0", head_dim=72, available=ALL_AVAILABLE, emulated=True)
+    p = resolve_plan(row, req, device="cuda:0", head_dim=72, kernels=ALL_PRESENT, emulated=True)
     assert p.attention.value == "triton_varlen" and "graph-safe" in p.attention.reason
     assert p.graphs.value and p.qkv_layout.value == "dense"
-    no_triton = dict(ALL_AVAILABLE, triton_varlen=(False, "no CUDA device"))
+    no_triton = absent("no CUDA device", "triton_varlen")
     with pytest.raises(PlanError, match="metax_c500"):
-        resolve_plan(row, req, device="cpu", head_dim=72, available=no_triton)
+        resolve_plan(row, req, device="cpu", head_dim=72, kernels=no_triton)
 
 
 # ------------------------------------------------------------------ text decoder decisions
@@ -120,7 +119,7 @@ TEXT_ALL = {"triton_paged": (True, "ok"), "sdpa_paged": (True, "ok")}
 
 
 def _plan(row, text_available=TEXT_ALL, **req):
-    return resolve_plan(capability_table()[row], PlanRequest(**req), device="cuda:0", head_dim=72, available=ALL_AVAILABLE,
+    return resolve_plan(capability_table()[row], PlanRequest(**req), device="cuda:0", head_dim=72, kernels=ALL_PRESENT,
                         text_available=text_available)
 
 
@@ -140,7 +139,7 @@ def test_h200_text_plan_triton_paged_with_decode_graphs():
 
 def test_without_triton_the_text_falls_back_and_decode_graphs_turn_off():
     no_triton = dict(TEXT_ALL, triton_paged=(False, "triton not importable"))
-    p = _plan("cuda_sm90", text_available=no_triton)
+    p = _plan("cuda_sm90", text_kernels=no_triton)
     assert p.text_attention.value == "sdpa_paged" and "triton_paged" in p.text_attention.reason
     assert any("text attention triton_paged skipped" in n for n in p.notes)
     assert p.decode_graphs.value == () and "cannot be captured" in p.decode_graphs.reason

@@ -3,8 +3,6 @@ packed qkv buffer (one storage, row stride 3*hidden); with the dense plan, conti
 Same kernel, same rotary placement: bit-identical outputs."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -12,14 +10,19 @@ from fastdeploy_ext.conformance.qkv_trace import QkvTrace, check_views_of_projec
 from fastdeploy_ext.models.paddleocr_vl.config import VisionConfig
 from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
 from fastdeploy_ext.models.paddleocr_vl.vision import EncoderLayer, VisionExecution
-from fastdeploy_ext.ops.attention import get_backend
+from fastdeploy_ext.ops.attention.varlen import get_backend
 
 CFG = VisionConfig(hidden_size=144, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56)
 
 
 class Recorder:
+    """The sdpa backend, recording what it is handed (same facts, same arithmetic)."""
+
     def __init__(self, inner):
         self.inner, self.seen = inner, []
+
+    def __getattr__(self, name):          # the backend's facts: applies_rotary, reads_strides, ...
+        return getattr(self.inner, name)
 
     def __call__(self, q, k, v, meta, scale, cos=None, sin=None):
         self.seen.append({n: (t.untyped_storage().data_ptr(), t.stride(), t.is_contiguous(), t.storage_offset())
@@ -41,10 +44,9 @@ def setup():
 
 
 def run(layer, meta, x, strided):
-    rec = Recorder(get_backend("sdpa").fn)
-    backend = dataclasses.replace(get_backend("sdpa"), fn=rec)
+    rec = Recorder(get_backend("sdpa"))
     with torch.inference_mode():
-        out = layer(x, meta, VisionExecution(backend, strided))
+        out = layer(x, meta, VisionExecution(rec, strided))
     return out, rec.seen[0]
 
 

@@ -1,4 +1,5 @@
-"""Tests for fastdeploy_ext.ops.triton_attention (one-launch varlen attention in Triton).
+"""Tests for fastdeploy_ext.ops.triton.varlen_attention (one-launch varlen attention in Triton)
+and the Triton attention backends built on it (ops/attention/varlen.py).
 
 CPU: the kernel runs under the Triton interpreter.  The interpreter only works when
 TRITON_INTERPRET=1 is set before triton is first imported in the process (triton decorates its
@@ -26,21 +27,24 @@ import torch
 
 pytest.importorskip("triton")
 
-from fastdeploy_ext.ops import triton_attention as ta
+from fastdeploy_ext.ops.attention.varlen import get_backend
+from fastdeploy_ext.ops.rotary import rotary_qk_in_place_torch
+from fastdeploy_ext.ops.triton import runtime as rt
+from fastdeploy_ext.ops.triton import varlen_attention as ta
 
 SEQ_LENS = [5, 17, 64, 3]
 H = 2
 _REPO = Path(__file__).resolve().parents[1]
 
 interp = pytest.mark.skipif(
-    not ta._TRITON_INTERPRETED,
+    not rt.TRITON_INTERPRETED,
     reason="interpreter test: runs in test_interpreter_subprocess (needs TRITON_INTERPRET=1 before import)",
 )
 
 
 @pytest.fixture
 def compiled():
-    if ta._TRITON_INTERPRETED or not torch.cuda.is_available():
+    if rt.TRITON_INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device and triton in compiled mode")
     yield
 
@@ -113,9 +117,9 @@ def test_head_dim_chunks():
 
 
 def test_triton_available_reports_reason():
-    ok, why = ta.triton_available()
+    ok, why = rt.triton_available()
     assert isinstance(why, str) and why
-    if ta._TRITON_INTERPRETED:
+    if rt.TRITON_INTERPRETED:
         assert ok and "interpret" in why
     else:
         assert ok == torch.cuda.is_available()
@@ -123,7 +127,7 @@ def test_triton_available_reports_reason():
 
 def test_interpreter_subprocess():
     """Run the test_interp_* tests in a child process started with TRITON_INTERPRET=1."""
-    if ta._TRITON_INTERPRETED:
+    if rt.TRITON_INTERPRETED:
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
@@ -193,29 +197,39 @@ def test_interp_unaligned_strides_and_odd_head_dims():
         assert ((res.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5, head_dim
 
 
+class _Meta:
+    def __init__(self, seq_lens, backend, device="cpu"):     # CPU: the interpreter
+        self.seq_lens, self.max_seqlen = seq_lens, max(seq_lens)
+        self.attention_state = backend.prepare(seq_lens, lambda t: t.to(device))
+
+
 @interp
-@pytest.mark.parametrize(("head_dim", "dtype", "mode"), [
-    (72, torch.float32, "q_fused"), (64, torch.float32, "q_fused"), (72, torch.float16, "q_fused"),
-    (64, torch.float16, "q_fused"), (72, torch.float32, "fused"), (64, torch.float16, "fused"),
-    (72, torch.float16, "prepass")])
-def test_interp_fused_rotary_matches_unfused(head_dim, dtype, mode):
+@pytest.mark.parametrize(("head_dim", "dtype"), [(72, torch.float32), (64, torch.float16), (72, torch.float16)])
+def test_interp_rope_backend_rotates_in_place_then_runs_the_kernel(head_dim, dtype):
+    """triton_rope_varlen = q and k rotated in place in the packed buffer (v untouched) by the
+    one-launch Triton pass, then the plain kernel: equal to the kernel on ATen-rotated copies
+    (the interpreter does not contract to FMA, so bitwise here); triton_varlen leaves q/k alone."""
     n = sum(SEQ_LENS)
-    _, q, k, v = _packed_qkv(n, H, head_dim, dtype, seed=2)
+    qkv, q, k, v = _packed_qkv(n, H, head_dim, dtype, seed=2)
     cos, sin = _rotary_tables(n, head_dim)
     scale = head_dim ** -0.5
-    bt = ta.build_block_table(SEQ_LENS, block_m=16)
-    out = torch.full((n, H, head_dim), float("nan"), dtype=dtype)
-    fused = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), scale, out=out, cos=cos, sin=sin,
-                                block_m=16, block_n=16, rotary_mode=mode)
-    assert not torch.isnan(fused).any()
-    qr, kr = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-    unfused = ta.varlen_attention(qr, kr, v, bt, max(SEQ_LENS), scale, block_m=16, block_n=16)
-    # the interpreter does not contract x*cos + y*sin into an FMA, so this is bitwise here;
-    # on GPU the compiler may, which can move a rotated element by 1 ulp of the input dtype
-    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-3)
+    qr, kr = q.clone(), k.clone()
+    rotary_qk_in_place_torch(qr, cos, sin), rotary_qk_in_place_torch(kr, cos, sin)
+    v_before = v.clone()
+    rope = get_backend("triton_rope_varlen")
+    assert rope.applies_rotary and rope.reads_strides and rope.graph_safe
+    out = rope(q, k, v, _Meta(SEQ_LENS, rope), scale, cos=cos, sin=sin)
+    assert torch.equal(q, qr) and torch.equal(k, kr) and torch.equal(v, v_before)
+    bt = ta.build_block_table(SEQ_LENS)
+    assert torch.equal(out, ta.varlen_attention(qr.contiguous(), kr.contiguous(), v.contiguous(), bt,
+                                                max(SEQ_LENS), scale))
     ref = _reference(qr, kr, v, SEQ_LENS, scale)
-    assert ((fused.double() - ref).abs().max() / ref.abs().max()).item() <= (
-        1e-5 if dtype == torch.float32 else 3e-3)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= (1e-5 if dtype == torch.float32 else 3e-3)
+    plain = get_backend("triton_varlen")
+    assert not plain.applies_rotary
+    q_before = q.clone()
+    assert torch.equal(plain(q, k, v, _Meta(SEQ_LENS, plain), scale), out)   # q, k already rotated
+    assert torch.equal(q, q_before)
 
 
 def test_bad_inputs_raise():
@@ -248,15 +262,6 @@ def test_bad_inputs_raise():
         call(q, k, v, bt, ms, 0.1, block_n=48)
     with pytest.raises(ValueError, match="out"):
         call(q, k, v, bt, ms, 0.1, out=torch.empty(n, d, H).transpose(1, 2))
-    cos, sin = _rotary_tables(n, d)
-    with pytest.raises(ValueError, match="together"):
-        call(q, k, v, bt, ms, 0.1, cos=cos)
-    with pytest.raises(ValueError, match="float32"):
-        call(q, k, v, bt, ms, 0.1, cos=cos.half(), sin=sin.half())
-    with pytest.raises(ValueError, match="rotary_mode"):
-        call(q, k, v, bt, ms, 0.1, cos=cos, sin=sin, rotary_mode="both")
-    with pytest.raises(ValueError, match=r"\[N, D\]"):
-        call(q, k, v, bt, ms, 0.1, cos=cos[:-1], sin=sin[:-1])
 
 
 def test_empty_table_is_noop():
@@ -295,12 +300,16 @@ def test_cuda_matches_reference(compiled, head_dim, dtype):
     qr, kr = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
     unfused = ta.varlen_attention(qr, kr, v, bt, max(lens), scale)
     ref_r = _reference(qr.cpu(), kr.cpu(), v.cpu(), lens, scale)
-    for mode in ("q_fused", "fused", "prepass"):
-        fused = ta.varlen_attention(q, k, v, bt, max(lens), scale, cos=cos, sin=sin, rotary_mode=mode)
+    if dtype != torch.float32:     # the backends' dtypes in every row
+        # the default CUDA backend: q and k rotated in place in the packed buffer, then the kernel
+        scratch = _packed_qkv(n, h, head_dim, dtype, device="cuda")[0]
+        qs, ks, vs = scratch.view(n, 3, h, head_dim).unbind(1)
+        rope = get_backend("triton_rope_varlen")
+        fused = rope(qs, ks, vs, _Meta(lens, rope, "cuda"), scale, cos=cos, sin=sin)
         # FMA contraction may move a rotated element by 1 ulp of the input dtype
         assert ((fused.float() - unfused.float()).abs().max()).item() < 2e-2
         err_r = ((fused.cpu().double() - ref_r).norm() / ref_r.norm()).item()
-        assert err_r < {torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype], err_r
+        assert err_r < {torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype], err_r
 
 
 @pytest.mark.parametrize("block_m,block_n,num_warps,num_stages",
@@ -323,7 +332,7 @@ def test_interp_padding_rows_of_a_graph_table_are_no_ops():
     n = sum(SEQ_LENS)
     _, q, k, v = _packed_qkv(n, H, 72, torch.float32, seed=9)
     bt = ta.build_block_table(SEQ_LENS, block_m=16)
-    padded = torch.cat([bt, torch.tensor([[0, 1, 16]], dtype=torch.int32).repeat(7, 1)])
+    padded = torch.cat([bt, ta.noop_block_table(7, "cpu", block_m=16)])
     a = ta.varlen_attention(q, k, v, bt, max(SEQ_LENS), 0.1, block_m=16, block_n=16)
     b = ta.varlen_attention(q, k, v, padded, max(SEQ_LENS), 0.1, block_m=16, block_n=16)
     assert torch.equal(a, b)

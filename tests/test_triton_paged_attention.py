@@ -18,11 +18,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from fastdeploy_ext.ops import triton_attention as ta
+from fastdeploy_ext.ops.triton import runtime as ta
 from fastdeploy_ext.ops.paged_attention import KVCache, PagedStepMeta, sdpa_decode, sdpa_prefill
 
 _REPO = Path(__file__).resolve().parents[1]
-interp = pytest.mark.skipif(not ta._TRITON_INTERPRETED,
+interp = pytest.mark.skipif(not ta.TRITON_INTERPRETED,
                             reason="interpreter test: runs in test_interpreter_subprocess")
 
 
@@ -42,7 +42,7 @@ def _setup(hq, hkv, d, bs, lens, dtype, device="cpu", num_blocks=40, seed=0):
 
 
 def _decode_case(hq, hkv, d, dtype, device="cpu", part_tokens=32, graph_max=None):
-    from fastdeploy_ext.ops.triton_paged_attention import paged_decode
+    from fastdeploy_ext.ops.triton.paged_attention import paged_decode
     bs, lens = 16, [1, 37, 70, 16]
     kc, vc, tables, ctx = _setup(hq, hkv, d, bs, lens, dtype, device)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -55,7 +55,7 @@ def _decode_case(hq, hkv, d, dtype, device="cpu", part_tokens=32, graph_max=None
 
 
 def _prefill_case(hq, hkv, d, dtype, device="cpu", block_m=16):
-    from fastdeploy_ext.ops.triton_paged_attention import paged_prefill
+    from fastdeploy_ext.ops.triton.paged_attention import paged_prefill
     bs = 16
     starts, qlens = [0, 13, 40], [20, 9, 33]
     lens = [s + n for s, n in zip(starts, qlens)]
@@ -71,7 +71,7 @@ def _prefill_case(hq, hkv, d, dtype, device="cpu", block_m=16):
 
 
 def test_interpreter_subprocess():
-    if ta._TRITON_INTERPRETED:
+    if ta.TRITON_INTERPRETED:
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -112,7 +112,7 @@ def test_interp_prefill_matches_sdpa(hq, hkv, d, dtype, tol):
 def test_interp_prefill_causality_is_checked():
     """Mutation check: shifting the queries' positions (a wrong start) changes the output."""
     got, want = _prefill_case(4, 2, 32, torch.float32)
-    from fastdeploy_ext.ops.triton_paged_attention import paged_prefill
+    from fastdeploy_ext.ops.triton.paged_attention import paged_prefill
     bs = 16
     kc, vc, tables, ctx = _setup(4, 2, 32, bs, [20, 22, 73], torch.float32, seed=2)
     q = torch.randn(62, 4, 32, generator=torch.Generator().manual_seed(3))
@@ -134,7 +134,7 @@ def test_kv_cache_write_uses_slots():
 # ------------------------------------------------------------------------------- CUDA (compiled)
 @pytest.fixture
 def cuda():
-    if ta._TRITON_INTERPRETED or not torch.cuda.is_available():
+    if ta.TRITON_INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device and triton in compiled mode")
 
 

@@ -7,16 +7,12 @@ Workloads (packed token counts):
   one320   one 8x40 block of 320 tokens
 
 Backends (q/k/v are strided views of one random packed qkv buffer [N, 3*H*D]):
-  triton           fastdeploy_ext.ops.triton_attention.varlen_attention (one launch)
+  triton           fastdeploy_ext.ops.triton.varlen_attention.varlen_attention (one launch)
   triton_bm64      same with BLOCK_M=64 (its own block table)
-  triton_rotary    same with 2D rotary (cos/sin [N, D] fp32), default rotary_mode="auto"
-  triton_rot_qfused  rotary_mode="q_fused": q rotated in the attention kernel, k in one
-                   elementwise pre-pass launch
-  triton_rot_fused   rotary_mode="fused": k also rotated inside the attention loop (one launch)
-  triton_rot_prepass rotary_mode="prepass": q and k rotated by the pre-pass, plain kernel
-  triton_rot_q_nocap "q_fused" without the 128-register cap
+  triton_rope      the triton_rope_varlen backend's work: q and k rotated in place by the
+                   one-launch Triton pass (cos/sin [N, D] fp32), then the kernel
   triton_BMxBNwWsS   extra configs given with --configs "BM,BN,W,S;..."
-  rotary+triton    out-of-place rotary in torch (fp32, cast) + triton (what fusion replaces)
+  rotary+triton    out-of-place rotary in torch (fp32, cast) + triton (what the pass replaces)
   sdpa_cudnn_loop  per-image loop of F.scaled_dot_product_attention (CUDNN_ATTENTION), output
                    copied into a [N, H, D] buffer (the reference for errors and ratios)
   sdpa_flash_loop  same with FLASH_ATTENTION
@@ -102,7 +98,7 @@ def run_workload(name, lens, args, ta, results):
     n = sum(lens)
     flops = sum(4.0 * m * m * H * D for m in lens)
     scale = D ** -0.5
-    _qkv, q, k, v, cos, sin = _make_inputs(lens, dev)
+    _qkv, q, k, v, cos, sin = _make_inputs(lens, dev)   # q/k/v: strided views of _qkv
     max_len = max(lens)
     warm, iters = (2, 5) if args.quick else (5, 20)
 
@@ -149,16 +145,17 @@ def run_workload(name, lens, args, ta, results):
         bench("rotary+triton",
               lambda: ta.varlen_attention(_apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin), v, bt, max_len,
                                           scale, out=out_r), ref_key="sdpa_cudnn_loop_rotary")
+        # in place on a scratch copy of the packed buffer: the first call (whose output is
+        # checked) rotates the original values; later timed calls rotate again (same cost)
+        from fastdeploy_ext.ops.rotary import rotary_q_and_k_in_place
+        scratch = _qkv.clone()
+        qs, ks, vs = scratch.view(n, 3, H, D).unbind(1)
         out_f = torch.empty_like(out_buf)
-        bench("triton_rotary", lambda: ta.varlen_attention(q, k, v, bt, max_len, scale, out=out_f, cos=cos, sin=sin),
-              ref_key="sdpa_cudnn_loop_rotary")
-        for label, extra in (("triton_rot_qfused", {"rotary_mode": "q_fused"}),
-                             ("triton_rot_fused", {"rotary_mode": "fused"}),
-                             ("triton_rot_prepass", {"rotary_mode": "prepass"}),
-                             ("triton_rot_q_nocap", {"rotary_mode": "q_fused", "maxnreg": 0})):
-            bench(label, functools.partial(ta.varlen_attention, q, k, v, bt, max_len, scale,
-                                           out=torch.empty_like(out_buf), cos=cos, sin=sin, **extra),
-                  ref_key="sdpa_cudnn_loop_rotary")
+
+        def rope_then_kernel():
+            rotary_q_and_k_in_place(qs, ks, cos, sin)
+            return ta.varlen_attention(qs, ks, vs, bt, max_len, scale, out=out_f)
+        bench("triton_rope", rope_then_kernel, ref_key="sdpa_cudnn_loop_rotary")
         for spec in [c for c in (args.configs or "").split(";") if c.strip()]:
             bm, bn, nw, ns = (int(x) for x in spec.split(","))
             btc = ta.build_block_table(lens, block_m=bm).to(dev)
@@ -232,7 +229,7 @@ def run_sweep(args, ta, results):
     warm, iters = (2, 5) if args.quick else (3, 10)
     scale = D ** -0.5
     for name, lens in WORKLOADS.items():
-        _, q, k, v, cos, sin = _make_inputs(lens, "cuda")
+        _, q, k, v, _cos, _sin = _make_inputs(lens, "cuda")
         flops = sum(4.0 * m * m * H * D for m in lens)
         out = torch.empty(sum(lens), H, D, device="cuda", dtype=q.dtype)
         best = None
@@ -241,26 +238,19 @@ def run_sweep(args, ta, results):
             for bn in (32, 64, 128):
                 for nw in (4, 8):
                     for ns in (2, 3, 4):
-                        for rot in (False, True):
-                            if rot and not args.sweep_rotary:
-                                continue
-                            kw = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
-                            if rot:
-                                kw.update(cos=cos, sin=sin)
-                            rec = {"sweep": name, "block_m": bm, "block_n": bn, "num_warps": nw,
-                                   "num_stages": ns, "rotary": rot}
-                            try:
-                                fn = functools.partial(ta.varlen_attention, q, k, v, bt, max(lens), scale,
-                                                       out=out, **kw)
-                                ms, _ = _time_ms(fn, warm, iters)
-                                rec["ms"] = ms
-                                rec["tflops"] = flops / (ms * 1e-3) / 1e12
-                                if not rot and (best is None or ms < best["ms"]):
-                                    best = rec
-                            except Exception as e:  # noqa: BLE001
-                                rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                            results.append(rec)
-                            print(json.dumps(rec), flush=True)
+                        kw = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+                        rec = {"sweep": name, **kw}
+                        try:
+                            fn = functools.partial(ta.varlen_attention, q, k, v, bt, max(lens), scale, out=out, **kw)
+                            ms, _ = _time_ms(fn, warm, iters)
+                            rec["ms"] = ms
+                            rec["tflops"] = flops / (ms * 1e-3) / 1e12
+                            if best is None or ms < best["ms"]:
+                                best = rec
+                        except Exception as e:  # noqa: BLE001
+                            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+                        results.append(rec)
+                        print(json.dumps(rec), flush=True)
         print(f"# best for {name}: {best}", flush=True)
 
 
@@ -297,7 +287,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer warmup/timed iterations")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (torch.compile takes a while)")
     ap.add_argument("--sweep", action="store_true", help="also sweep triton block sizes / warps / stages")
-    ap.add_argument("--sweep-rotary", action="store_true", help="include the fused-rotary kernel in the sweep")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ",".join(WORKLOADS))
     ap.add_argument("--configs", default="", help='extra triton configs to time: "BM,BN,WARPS,STAGES;..."')
     ap.add_argument("--diag", action="store_true", help="print regs/spills/smem/wgmma of compiled kernels")
@@ -320,9 +309,10 @@ def run_cli(args) -> int:
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
     try:
-        from fastdeploy_ext.ops import triton_attention as ta
+        from fastdeploy_ext.ops.triton import varlen_attention as ta
+        from fastdeploy_ext.ops.triton.runtime import triton_available
 
-        ok, why = ta.triton_available()
+        ok, why = triton_available()
         if not ok:
             print(f"triton kernel unavailable: {why}", file=sys.stderr)
             ta = None

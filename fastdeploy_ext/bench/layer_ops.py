@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..ops import triton_fused as tf
-from ..ops.rotary import rotary_in_place
+from ..ops.norm import add_layer_norm
+from ..ops.rotary import rotary_in_place, rotary_qk_in_place
 from .timing import median_ms
 
 HIDDEN, INTER, HEADS, HEAD_DIM = 1152, 4304, 16, 72
@@ -69,7 +69,7 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
             return F.layer_norm(x + F.linear(a, w_o, b_o), (HIDDEN,), ln_w, ln_b, 1e-6)
 
         def ours_add_ln():
-            return tf.add_layer_norm(x, torch.mm(a, w_o.t()), b_o, ln_w, ln_b, 1e-6)[1]
+            return add_layer_norm(x, torch.mm(a, w_o.t()), b_o, ln_w, ln_b, 1e-6)[1]
 
         def aten_fc1():
             return F.gelu(F.linear(h, w1, b1), approximate="tanh")
@@ -96,7 +96,7 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
             rotary_in_place(k, cos, sin)
 
         def ours_rotary():
-            tf.rotary_qk_in_place(qkv_b[:, :2 * HIDDEN].view(n, 2 * HEADS, HEAD_DIM), cos, sin)
+            rotary_qk_in_place(qkv_b[:, :2 * HIDDEN].view(n, 2 * HEADS, HEAD_DIM), cos, sin)
 
         def aten_mlp_half():   # out_proj + residual -> LN -> fc1 + GELU -> fc2 + residual -> next LN
             y = x + F.linear(a, w_o, b_o)
@@ -105,9 +105,9 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
             return F.layer_norm(y, (HIDDEN,), ln_w, ln_b, 1e-6)
 
         def ours_mlp_half(w1_=w1, b1_=b1, w2_=w2):
-            y, hh = tf.add_layer_norm(x, torch.mm(a, w_o.t()), b_o, ln_w, ln_b, 1e-6)
+            y, hh = add_layer_norm(x, torch.mm(a, w_o.t()), b_o, ln_w, ln_b, 1e-6)
             z = torch._addmm_activation(b1_, hh, w1_.t(), use_gelu=True)
-            return tf.add_layer_norm(y, torch.mm(z, w2_.t()), b2, ln_w, ln_b, 1e-6)[1]
+            return add_layer_norm(y, torch.mm(z, w2_.t()), b2, ln_w, ln_b, 1e-6)[1]
 
         cases = [
             ("out_proj+residual+LayerNorm", aten_add_ln, ours_add_ln),
@@ -151,7 +151,7 @@ def tune(tokens: list[int]) -> list[dict]:
         # small grids: the first, larger ones did not finish inside the GPU leg's time limit
         for rows in (1, 2, 4):
             for warps in (4, 8):
-                ms = _time_device(lambda: tf.add_layer_norm(x, d, b, w, b, 1e-6, tuning=(rows, warps)))
+                ms = _time_device(lambda: add_layer_norm(x, d, b, w, b, 1e-6, tuning=(rows, warps)))
                 out.append({"tokens": n, "kernel": "add_ln", "rows": rows, "warps": warps, "ms": ms, "aten_ms": ref})
         qkv = torch.randn(n, 3 * HIDDEN, device=dev, dtype=dt)
         cos, sin = torch.randn(n, HEAD_DIM, device=dev), torch.randn(n, HEAD_DIM, device=dev)
@@ -159,7 +159,7 @@ def tune(tokens: list[int]) -> list[dict]:
         for bt in (16, 32, 64):
             for grp in (2, 4, 8):
                 for warps in (4,):
-                    ms = _time_device(lambda: tf.rotary_qk_in_place(qk, cos, sin, tuning=(bt, grp, warps)))
+                    ms = _time_device(lambda: rotary_qk_in_place(qk, cos, sin, tuning=(bt, grp, warps)))
                     out.append({"tokens": n, "kernel": "rotary_qk", "block_t": bt, "heads": grp, "warps": warps,
                                 "ms": ms})
         for kern in ("add_ln", "rotary_qk"):

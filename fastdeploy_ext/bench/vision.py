@@ -1,5 +1,6 @@
 """`fastdeploy-ext bench vision`: the transformers reference and our plan variants side by side,
-in one process on one device, on the anchor workloads (../shared/anchors/h200_baseline*.py).
+in one process on one device, on the anchor workloads (WORKLOADS: the shapes of the H200
+baseline measurements quoted in docs/PERFORMANCE.md).
 
 Prints ms per batch, speed-up over the reference (ref ms / ours ms), peak memory, and how close
 each variant's output is to the reference (cosine). Nothing here asserts a time."""
@@ -41,28 +42,26 @@ class Variant:
     qkv_layout: str
     grid_thw: str
     graphs: bool
-    compile_layers: str = "off"
     attention_backend: str = "auto"
     fused_layers: str = "off"
 
 
 # "eager" = ATen LayerNorm/bias/GELU/residual ops around the GEMMs; "fused" = the Triton
-# residual+bias+LayerNorm passes and the GELU GEMM epilogue. The rotary belongs to the attention
-# backend: triton_varlen_rope rotates q and k in place in one launch, sdpa rows use the fused
-# path's Triton pass or ATen.
+# residual+bias+LayerNorm passes and the GELU GEMM epilogue. On CUDA rows the default attention
+# backend (triton_rope_varlen) rotates q and k in place with one Triton pass; sdpa rows rotate
+# them with the fused path's Triton pass or ATen.
 VARIANTS = (
     Variant("dense/device/eager", "dense", "device", False),
     Variant("strided/device/eager", "strided", "device", False),
     Variant("strided/host/eager", "strided", "host", False),
-    Variant("strided/host/eager+compile", "strided", "host", False, "on"),
     Variant("dense/host/fused", "dense", "host", False, fused_layers="on"),
     Variant("strided/host/fused", "strided", "host", False, fused_layers="on"),
     Variant("strided/host/graph", "strided", "host", True),
     Variant("strided/host/graph+fused", "strided", "host", True, fused_layers="on"),
-    Variant("cudnn:strided/host/eager", "strided", "host", False, "off", "sdpa_cudnn"),
+    Variant("cudnn:strided/host/eager", "strided", "host", False, "sdpa_cudnn"),
     # the Triton kernel alone, for comparison where the plan picks fa3_varlen (fa3 extra installed)
-    Variant("triton:strided/host/fused", "strided", "host", False, "off", "triton_varlen_rope", "on"),
-    Variant("triton:strided/host/graph+fused", "strided", "host", True, "off", "triton_varlen_rope", "on"),
+    Variant("triton:strided/host/fused", "strided", "host", False, "triton_rope_varlen", "on"),
+    Variant("triton:strided/host/graph+fused", "strided", "host", True, "triton_rope_varlen", "on"),
 )
 
 
@@ -146,7 +145,7 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
                   for w in workloads}
 
     for v in variants:
-        req = replace(base, qkv_layout=v.qkv_layout, grid_thw=v.grid_thw, compile_layers=v.compile_layers,
+        req = replace(base, qkv_layout=v.qkv_layout, grid_thw=v.grid_thw,
                       fused_layers=v.fused_layers if base.fused_layers == "auto" else base.fused_layers,
                       attention_backend=v.attention_backend if base.attention_backend == "auto" else base.attention_backend,
                       graph_config=replace(base.graph_config, use_encoder_cudagraph=v.graphs))
@@ -160,7 +159,7 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
         timer = timer or Timer(device, opts.warmup, opts.iters)
         report = runner.capture_graphs()
         print(f"\n== {v.name}: attention={runner.plan.attention.value} qkv={runner.plan.qkv_layout.value} "
-              f"grid={runner.plan.grid_thw.value} compile={runner.plan.compile_layers.value} "
+              f"grid={runner.plan.grid_thw.value} "
               f"fused={runner.plan.fused_layers.value} "
               f"graphs={report.captured} ({report.capture_seconds:.1f}s, {report.graph_memory_bytes / 2**20:.0f} MiB)"
               f"{' [EMULATED]' if runner.plan.emulated else ''}")

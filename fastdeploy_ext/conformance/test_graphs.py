@@ -55,9 +55,9 @@ def test_rows_without_graphs_report_none(backend_cls, make_runner, tiny_models):
 
 
 def _graph_capable(row, device, dtype: str) -> bool:
-    from ..ops.attention import ATTENTION_BACKENDS
+    from ..ops.attention.varlen import get_backend
     return "encoder" in row.graph_kinds and dtype in row.dtypes and any(
-        e.graph_safe and dtype in e.dtypes and ATTENTION_BACKENDS[e.backend].available(device)[0]
+        get_backend(e.backend).graph_safe and dtype in e.dtypes and get_backend(e.backend).available(device)[0]
         for e in row.attention)
 
 

@@ -21,7 +21,7 @@ def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
     dense = make_runner(tiny_models["torch"], qkv_layout="dense")
     backend = dense.plan.attention.value
     entry = {e.backend: e for e in capability_table()[dense.plan.row].attention}[backend]
-    if not entry.reads_strides:
+    if not dense.execution.attention.reads_strides or entry.reads_strides is False:
         # the row forbids strided for its kernel: forcing it must be a clear error naming the row
         with pytest.raises(PlanError, match=dense.plan.row):
             make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=backend)
@@ -46,8 +46,9 @@ def test_host_metadata_equals_device_metadata_bitwise(tiny_models, batch, make_r
         a, b = getattr(mh, field), getattr(md, field)
         assert a.dtype == b.dtype and a.shape == b.shape, field
         assert torch.equal(a, b), field
-    for k in mh.extras:
-        assert torch.equal(mh.extras[k], md.extras[k]), k
+    # the attention backend's per-batch state (e.g. the Triton block table), from either path
+    if mh.attention_state is not None or md.attention_state is not None:
+        assert torch.equal(mh.attention_state, md.attention_state)
     for x, y in zip(host.encode_images(batch), dev.encode_images(batch)):
         assert torch.equal(x, y)
 

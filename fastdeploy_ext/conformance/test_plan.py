@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ..ops.attention import ATTENTION_BACKENDS
 from ..capabilities import capability_table
+from ..ops.attention.varlen import ATTENTION_BACKENDS, get_backend
 from ..plan import GraphOptimizationConfig, PlanError, PlanRequest
 
 
@@ -32,7 +32,8 @@ def test_defaults_come_from_the_row(plan, row, emulated):
     for name in skipped:
         assert any(name in n for n in plan.notes), (name, plan.notes)
     entry = {e.backend: e for e in row.attention}[plan.attention.value]
-    assert plan.strided_qkv == entry.reads_strides
+    # strided exactly when the kernel reads strides and the row does not narrow that
+    assert plan.strided_qkv == (get_backend(entry.backend).reads_strides and entry.reads_strides is not False)
     assert plan.grid_thw.value == ("host" if row.host_grid_thw else "device")
     if not row.graphs_default or "encoder" not in row.graph_kinds:
         assert plan.graphs.value == ()
@@ -43,7 +44,7 @@ def test_defaults_come_from_the_row(plan, row, emulated):
 def test_plan_is_printed_with_reasons(plan, row):
     text = plan.describe()
     assert f"row={row.name}" in text
-    for key in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "compile_layers"):
+    for key in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "fused_layers"):
         assert key in text
     if plan.emulated:
         assert "EMULATED" in text
@@ -69,7 +70,8 @@ def test_forcing_an_unlisted_backend_names_the_row(backend_cls, row):
 def test_forcing_graphs_picks_a_graph_safe_kernel_or_names_the_row(backend_cls, row):
     req = PlanRequest(device=backend_cls.name, graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True))
     device = backend_cls.torch_device(backend_cls.probe())
-    usable_safe = [e for e in row.attention if e.graph_safe and ATTENTION_BACKENDS[e.backend].available(device)[0]]
+    usable_safe = [e for e in row.attention
+                   if get_backend(e.backend).graph_safe and get_backend(e.backend).available(device)[0]]
     if "encoder" in row.graph_kinds and usable_safe:
         plan = backend_cls.create(req).plan
         assert plan.graphs.value and plan.attention.value == usable_safe[0].backend
@@ -82,23 +84,23 @@ def test_missing_kernel_falls_back_with_a_reason(backend_cls, row):
     """Resolve the same row with its first backend reported missing."""
     from ..plan import resolve_plan
     first = row.attention[0].backend
-    available = {n: (True, "ok") for n in ATTENTION_BACKENDS}
-    available[first] = (False, "not built for this device")
+    kernels = {n: b.facts((n != first, "ok" if n != first else "not built for this device"))
+               for n, b in ATTENTION_BACKENDS.items()}
     if len(row.attention) == 1:
         with pytest.raises(PlanError, match=row.name):
-            resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available)
+            resolve_plan(row, PlanRequest(), device="x", head_dim=72, kernels=kernels)
         return
-    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available)
+    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, kernels=kernels)
     assert plan.attention.value != first
     assert any(first in n and "not built" in n for n in plan.notes)
 
 
 def test_consumer_needing_dense_forbids_strided(row):
     from ..plan import resolve_plan
-    available = {n: (True, "ok") for n in ATTENTION_BACKENDS}
-    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, available=available,
+    kernels = {n: b.facts((True, "ok")) for n, b in ATTENTION_BACKENDS.items()}
+    plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, kernels=kernels,
                         consumers_needing_dense=("in-place q/k norm",))
     assert plan.qkv_layout.value == "dense" and "q/k norm" in plan.qkv_layout.reason
     with pytest.raises(PlanError, match=row.name):
-        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="x", head_dim=72, available=available,
+        resolve_plan(row, PlanRequest(qkv_layout="strided"), device="x", head_dim=72, kernels=kernels,
                      consumers_needing_dense=("in-place q/k norm",))

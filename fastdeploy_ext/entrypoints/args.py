@@ -88,8 +88,6 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
     g.add_argument("--qkv-layout", default="auto", choices=QKV_LAYOUTS)
     g.add_argument("--grid-thw", default="auto", choices=GRID_SOURCES,
                    help="where batch metadata is derived: host ints (no syncs) or device tensors (reference)")
-    g.add_argument("--compile-layers", default="auto", choices=SWITCHES,
-                   help="torch.compile the non-attention halves of each encoder layer")
     g.add_argument("--fused-layers", default="auto", choices=SWITCHES,
                    help="Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM (CUDA)")
     g.add_argument("--capabilities", default=None, metavar="FILE.yaml",
@@ -117,7 +115,7 @@ def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) ->
     try:
         gc = GraphOptimizationConfig.from_json(ns.graph_optimization_config)
         request = PlanRequest(device=device or ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
-                              qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw, compile_layers=ns.compile_layers,
+                              qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw,
                               fused_layers=ns.fused_layers, graph_config=gc, capabilities=ns.capabilities,
                               text_attention_backend=getattr(ns, "text_attention_backend", "auto"))
         request.validate()

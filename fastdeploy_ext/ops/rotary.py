@@ -1,4 +1,6 @@
-"""2D (row, col) rotary embedding of the vision encoder, always evaluated in fp32.
+"""2D (row, col) rotary embedding of the vision encoder, always evaluated in fp32: the table,
+the ATen appliers, and q and k rotated together in place (one Triton launch where our kernels
+run, ATen ops with the same arithmetic elsewhere). The engine's 3D mrope belongs here too.
 
 cos/sin are gathered from one per-position table instead of being evaluated per token: the
 gather is exact, so the host and device metadata paths (which derive the same row/col ids in
@@ -7,6 +9,9 @@ different ways) produce bit-identical tables no matter how each batch is shaped.
 from __future__ import annotations
 
 import torch
+
+from .triton.layer_passes import rotary_qk_in_place_triton
+from .triton.runtime import kernels_usable
 
 
 class RotaryTable:
@@ -100,3 +105,52 @@ def rotary_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     _rotate_into(x1, x2, c1, c2, s1, s2, o1, x2)
     x1.copy_(o1)
     return x
+
+
+# ------------------------------------------------------------------ q and k together, in place
+def rotary_qk_in_place_torch(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`rotary_qk_in_place`: the same fp32 arithmetic in ATen ops."""
+    qk.copy_(rotary_out_of_place(qk, cos, sin))
+    return qk
+
+
+def rotary_qk_in_place(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       tuning: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Rotate every head of ``qk`` ([N, heads, D], e.g. the q and k heads of the packed qkv
+    buffer viewed as ``qkv[:, :2*H*D].view(N, 2*H, D)``) in place, in one Triton launch
+    (ops/triton/layer_passes.py); ATen ops where the kernels cannot run.
+
+    cos, sin: fp32 [N, D] laid out as [h, w, h, w] frequencies (rotate_half pairs column j with
+    j + D/2).  Returns qk.  ``tuning``: launch parameters for `bench layers --tune`.
+    """
+    if qk.dim() != 3 or qk.stride(-1) != 1:
+        raise ValueError(f"qk must be [N, heads, D] with a contiguous last dim, got {tuple(qk.shape)} {qk.stride()}")
+    n, heads, d = qk.shape
+    if d % 2:
+        raise ValueError(f"rotary needs an even head dim, got {d}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (n, d) or t.dtype != torch.float32 or t.stride(-1) != 1 or t.device != qk.device:
+            raise ValueError(f"{name} must be fp32 [N, D] = {(n, d)} with a contiguous last dim, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if not kernels_usable(qk):
+        return rotary_qk_in_place_torch(qk, cos, sin)
+    return rotary_qk_in_place_triton(qk, cos, sin, tuning)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads directly follow q's in every row of one buffer (q/k views of a packed qkv)."""
+    h, d = q.shape[1], q.shape[2]
+    return (q.stride() == k.stride() and q.stride(1) == d and q.untyped_storage().data_ptr() ==
+            k.untyped_storage().data_ptr() and k.data_ptr() - q.data_ptr() == h * d * q.element_size()
+            and q.stride(0) >= 2 * h * d)
+
+
+def rotary_q_and_k_in_place(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k ([N, H, D] each) in place: one launch over both when k's heads directly
+    follow q's in one buffer (the packed qkv's views), else one launch each."""
+    if _adjacent_heads(q, k):
+        n, h, d = q.shape
+        rotary_qk_in_place(q.as_strided((n, 2 * h, d), q.stride()), cos, sin)
+    else:
+        rotary_qk_in_place(q, cos, sin)
+        rotary_qk_in_place(k, cos, sin)

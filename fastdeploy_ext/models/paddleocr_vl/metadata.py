@@ -1,26 +1,30 @@
 """Per-batch metadata of the packed vision pass, built two separate ways.
 
-* host path (``build_host_metadata``): every image's (t, h, w) is a Python int from the
-  preprocessor; cu_seqlens, split sizes, the merge permutation and the attention block table are
-  computed on the host and uploaded in ONE pinned, non-blocking copy; position embeddings and
-  rotary tables come from a per-(h, w) LFU cache. No device->host synchronisation.
-* device path (``build_device_metadata``): the reference behaviour — everything derived with
-  tensor ops from a grid_thw tensor that lives on the device; split sizes are read back with
-  ``tolist()`` (a sync, by design: this is what transformers does).
+* host path (:meth:`MetadataBuilder.build_host`): every image's (t, h, w) is a Python int from
+  the preprocessor; cu_seqlens, split sizes and the merge permutation are computed on the host
+  and uploaded in one pinned, non-blocking copy (the attention backend's own per-batch state,
+  e.g. the Triton block table, in another); position embeddings, rotary tables and each size's
+  merge order come from a per-(h, w) LFU cache. No device->host synchronisation.
+* device path (:meth:`MetadataBuilder.build_device`): the reference behaviour — everything
+  derived with tensor ops from a grid_thw tensor that lives on the device; sizes are read back
+  with ``int()``/``tolist()`` (syncs, by design: this is what transformers does).
 
 Both must agree bit for bit (conformance checks it); they share only the elementwise leaf
 functions (rotary table gather, position-embedding taps), never the index derivation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ...ops.pos_embed import LFUCache, resample, taps_and_weights
 from ...ops.rotary import RotaryTable
+
+if TYPE_CHECKING:
+    from ...ops.attention.varlen import VarlenAttention
 
 Grid = tuple[int, int, int]
 
@@ -41,8 +45,8 @@ class VisionMetadata:
     merge_index: torch.Tensor            # int64 [N]: packed order -> 2x2-merge order
     out_split_sizes: list[int]           # projector tokens per image
     grids: list[Grid]
-    source: str                          # "host" | "device"
-    extras: dict = field(default_factory=dict)   # backend-specific (e.g. the triton block table)
+    source: str                          # "host" | "device" | "graph"
+    attention_state: Any = None          # the attention backend's per-batch state (its prepare())
 
 
 def validate_grids(grids: Sequence[Sequence[int]], merge: int, num_patches: int | None = None) -> list[Grid]:
@@ -70,13 +74,13 @@ class MetadataBuilder:
 
     def __init__(self, *, head_dim: int, rope_theta: float, merge: int, side: int,
                  pos_table: torch.Tensor, compute_dtype: torch.dtype, device: torch.device,
-                 cache_capacity: int = 64):
+                 cache_capacity: int = 64, attention: "VarlenAttention | None" = None):
         self.merge, self.side = merge, side
         self.pos_table = pos_table            # [side*side, hidden], the learned embedding
         self.dtype, self.device = compute_dtype, device
         self.rotary = RotaryTable(head_dim, rope_theta, device)
         self.cache: LFUCache[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = LFUCache(cache_capacity)
-        self.extra_builders: list = []        # callables(meta, host_ints) adding backend extras
+        self.attention = attention            # its prepare() adds the backend's per-batch state
 
     # ---------------------------------------------------------------- host path
     def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
@@ -125,8 +129,8 @@ class MetadataBuilder:
             num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_d, max_seqlen=max(seq_lens),
             cos=cos, sin=sin, pos_embed=pos, merge_index=merge_index,
             out_split_sizes=[t * h * w // (m * m) for t, h, w in grids], grids=list(grids), source="host")
-        for add in self.extra_builders:
-            add(meta, self._upload)
+        if self.attention is not None:
+            meta.attention_state = self.attention.prepare(seq_lens, self._upload)
         return meta
 
     # -------------------------------------------------------------- device path
@@ -161,6 +165,6 @@ class MetadataBuilder:
             num_tokens=n_tok, seq_lens=seq_lens, cu_seqlens=cu_seqlens, max_seqlen=max(seq_lens),
             cos=cos, sin=sin, pos_embed=pos, merge_index=merge_index, out_split_sizes=out_split,
             grids=grids, source="device")
-        for add in self.extra_builders:
-            add(meta, lambda cpu: cpu.to(self.device))
+        if self.attention is not None:
+            meta.attention_state = self.attention.prepare(seq_lens, lambda cpu: cpu.to(self.device))
         return meta

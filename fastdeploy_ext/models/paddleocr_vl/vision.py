@@ -7,18 +7,17 @@ Linear [3*hidden, hidden]. What varies by device is decided by the RunPlan, pass
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...fallbacks import GELU_UNFUSED_NOTE, fused_passes_usable, log_once
-from ...ops.attention import AttentionBackend
-from ...ops.rotary import rotary_in_place, rotary_out_of_place
-from ...ops.triton_fused import add_layer_norm, rotary_q_and_k_in_place
+from ...fallbacks import fused_passes_usable
+from ...ops.activation import linear_gelu
+from ...ops.attention.varlen import VarlenAttention
+from ...ops.norm import add_layer_norm
+from ...ops.rotary import rotary_in_place, rotary_out_of_place, rotary_q_and_k_in_place
 from .config import VisionConfig
 from .metadata import VisionMetadata
 from .projector import Projector
@@ -27,48 +26,9 @@ from .projector import Projector
 @dataclass(frozen=True)
 class VisionExecution:
     """The parts of the plan the encoder needs at run time."""
-    attention: AttentionBackend
+    attention: VarlenAttention
     strided_qkv: bool          # hand the kernel views of the qkv buffer (no dense copies)
     fused_layers: bool = False  # Triton residual+bias+LayerNorm and q/k rotary passes, GELU in the fc1 GEMM
-
-
-def _qkv_half(x, ln_w, ln_b, eps: float, w, b):
-    """LayerNorm -> fused qkv projection."""
-    return F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps), w, b)
-
-
-def _mlp_half(x, attn, o_w, o_b, ln_w, ln_b, eps: float, f1_w, f1_b, f2_w, f2_b, approx: str):
-    """out_proj + residual -> LayerNorm -> fc1 + GELU -> fc2 + residual."""
-    x = x + F.linear(attn, o_w, o_b)
-    h = F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), ln_w, ln_b, eps), f1_w, f1_b), approximate=approx)
-    return x + F.linear(h, f2_w, f2_b)
-
-
-@dataclass(frozen=True)
-class LayerHalves:
-    """The two non-attention halves of a layer, as free functions of tensors: one compiled
-    version then serves all 27 layers (weights are arguments, not guarded module state)."""
-    qkv: Callable
-    mlp: Callable
-
-
-EAGER_HALVES = LayerHalves(_qkv_half, _mlp_half)
-
-
-@functools.cache
-def compiled_halves() -> LayerHalves:
-    """torch.compile of both halves (fuses LayerNorm, bias, GELU and residual adds around the
-    GEMMs), dynamic in the token count; made once per process so every runner and layer shares
-    the compiled code instead of recompiling it."""
-    return LayerHalves(torch.compile(_qkv_half, dynamic=True), torch.compile(_mlp_half, dynamic=True))
-
-
-def compile_layer_halves(encoder: "VisionEncoder") -> LayerHalves:
-    """Install the compiled halves on every layer of the encoder."""
-    halves = compiled_halves()
-    for layer in encoder.layers:
-        layer.halves = halves
-    return halves
 
 
 class EncoderLayer(nn.Module):
@@ -84,28 +44,31 @@ class EncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
-        self.halves = EAGER_HALVES
 
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm -> fused qkv projection."""
         ln = self.layer_norm1
-        return self.halves.qkv(x, ln.weight, ln.bias, ln.eps, self.qkv.weight, self.qkv.bias)
+        return F.linear(F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps), self.qkv.weight, self.qkv.bias)
 
     def attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """out_proj + residual -> LayerNorm -> fc1 + GELU -> fc2 + residual."""
         ln = self.layer_norm2
-        return self.halves.mlp(x, attn, self.out_proj.weight, self.out_proj.bias, ln.weight, ln.bias, ln.eps,
-                               self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.gelu_approx)
+        x = x + F.linear(attn, self.out_proj.weight, self.out_proj.bias)
+        h = F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps), self.fc1.weight,
+                            self.fc1.bias), approximate=self.gelu_approx)
+        return x + F.linear(h, self.fc2.weight, self.fc2.bias)
 
     def attention(self, qkv: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
         n = qkv.shape[0]
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)   # strided views
         backend = ex.attention
-        if backend.fuses_rotary:
+        if backend.applies_rotary:
             if not ex.strided_qkv:
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            out = backend.fn(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
+            out = backend(q, k, v, meta, self.scale, cos=meta.cos, sin=meta.sin)
         else:
             q, k, v = self._rotated(q, k, v, meta, ex.strided_qkv, ex.fused_layers and fused_passes_usable(qkv))
-            out = backend.fn(q, k, v, meta, self.scale)
+            out = backend(q, k, v, meta, self.scale)
         return out.reshape(n, self.num_heads * self.head_dim)
 
     def _rotated(self, q, k, v, meta: VisionMetadata, strided: bool, triton: bool):
@@ -135,21 +98,6 @@ class EncoderLayer(nn.Module):
         m = linear_gelu(h, self.fc1.weight, self.fc1.bias, self.gelu_approx)
         return add_layer_norm(x, torch.mm(m, self.fc2.weight.t()), self.fc2.bias,
                               next_norm.weight, next_norm.bias, next_norm.eps, out=x)
-
-
-# private ATen op (torch 2.11-2.13 have it); without it the GELU runs as its own kernel
-_ADDMM_ACTIVATION = getattr(torch, "_addmm_activation", None)
-
-
-def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str) -> torch.Tensor:
-    """GELU(x @ w.T + b). On CUDA the tanh GELU is cuBLASLt's bias+GELU epilogue (one kernel, no
-    round trip of the [N, intermediate] activation); elsewhere, and for exact GELU, ATen ops
-    (torch's CPU _addmm_activation uses the erf GELU, not tanh)."""
-    if approx == "tanh" and x.is_cuda:
-        if _ADDMM_ACTIVATION is not None:
-            return _ADDMM_ACTIVATION(b, x, w.t(), use_gelu=True)
-        log_once(GELU_UNFUSED_NOTE)
-    return F.gelu(F.linear(x, w, b), approximate=approx)
 
 
 class VisionEncoder(nn.Module):

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_attention as _ta
-from .triton_attention import tl, triton
+from .runtime import jit_decorator, tl, triton
 
 _LOG2E = 1.4426950408889634
 DEFAULT_PART_TOKENS = 256
@@ -155,7 +154,7 @@ _KERNELS: dict[str, object] = {}
 def _kernel(name: str):
     if name not in _KERNELS:
         raw = {"decode": _decode_partial_kernel, "reduce": _decode_reduce_kernel, "prefill": _prefill_kernel}[name]
-        _KERNELS[name] = _ta.jit_decorator()(raw)
+        _KERNELS[name] = jit_decorator()(raw)
     return _KERNELS[name]
 
 

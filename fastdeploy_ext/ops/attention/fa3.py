@@ -1,10 +1,11 @@
-"""Optional FlashAttention-3 forward (the `fa3-fwd` wheel, `pip install fastdeploy_ext[fa3]`) as a
-varlen attention backend for Hopper, with a per-batch choice against the Triton kernel.
+"""Optional FlashAttention-3 forward (the `fa3-fwd` wheel, `pip install fastdeploy_ext[fa3]`) for
+the vision varlen attention on Hopper, with a per-batch choice against the Triton kernel (the
+``fa3_varlen`` backend object lives with the others in ops/attention/varlen.py).
 
 Why both: FA3's warp-specialised wgmma kernel is faster on long sequences (a 1080p page, 10764
-tokens, head_dim 72 run in its 96-wide kernel: 1.115 ms per layer vs 1.54 for our Triton kernel,
-anchors/2026-11-29-h200-fa3-probe.json) but slower on batches of many short blocks (64 small
-blocks of <= 320 tokens: 32.8 vs 30.8 ms for the whole encoder, anchors/...-fa3-in-encoder.json),
+tokens, head_dim 72 run in its 96-wide kernel: 1.115 ms per layer vs 1.54 for our Triton kernel)
+but slower on batches of many short blocks (64 small blocks of <= 320 tokens: 32.8 vs 30.8 ms
+for the whole encoder); both measured on the H200, docs/PERFORMANCE.md,
 where our kernel's rotary fusion and tile scheduling win. So ``LengthDispatch`` picks per batch
 from the host int ``max_seqlen`` (no sync): FA3 when the longest sequence has at least
 ``FD_FA3_MIN_SEQLEN`` tokens, the Triton kernel otherwise.
@@ -31,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .. import envs
+from ... import envs
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def fa3_available(device: torch.device) -> tuple[bool, str]:
     cc = torch.cuda.get_device_capability(device)
     if cc[0] != 9:
         return False, f"FlashAttention-3 kernels are for sm90 (Hopper), device is sm{cc[0]}{cc[1]}"
-    from .triton_attention import triton_available
+    from ..triton.runtime import triton_available
     ok, twhy = triton_available()   # the short-batch path and the rotary pre-pass are Triton kernels
     if not ok:
         return False, f"the Triton kernels it dispatches to are unavailable: {twhy}"
@@ -111,7 +112,7 @@ class LengthDispatch:
     rotate: Callable             # rotate(q, k, cos, sin), in place
     min_seqlen: int
     long_name: str = "fa3"
-    short_name: str = "triton_varlen_rope"
+    short_name: str = "triton_rope_varlen"
 
     def choose(self, max_seqlen: int, capturing: bool) -> Choice:
         if capturing:

@@ -1,4 +1,5 @@
-"""One-launch varlen (block-diagonal, non-causal) attention for the vision encoder, in Triton.
+"""One-launch varlen (block-diagonal, non-causal) attention for the vision encoder, in Triton:
+the kernel, its block table and its launcher.
 
 All images of a batch are packed into one token sequence of N tokens; every token attends to
 all tokens of its own image only.  One launch covers every image: the grid is
@@ -10,40 +11,27 @@ strided views of a packed ``qkv = x @ Wqkv.T`` buffer, strides ``(3*H*D, D, 1)``
 is written as a contiguous ``[N, H, D]`` tensor.  The head dim is split into a power-of-two main
 chunk plus a masked remainder chunk (D=72 -> 64 + 16, i.e. effective 80, not 128).  Softmax is
 the flash-attention-2 online softmax in fp32 with exp2 and the scale folded into log2(e).
+q and k arrive rotated: the 2D rotary is the caller's (ops/rotary.py; the attention backend
+``triton_rope_varlen`` rotates them in place with one Triton pass just before the launch).
 
-Optionally the 2D rotary embedding (``x*cos + rotate_half(x)*sin`` in fp32, cast back to the
-input dtype) is applied to q and k: to tiles right after they are loaded, or in an elementwise
-pre-pass launch (see ``rotary_mode``).
-
-Triton is imported guarded: this module imports fine without it; see :func:`triton_available`.
-Kernels are decorated on first use.  On CPU tensors the kernel runs under the Triton
-interpreter, which needs ``TRITON_INTERPRET=1`` set before triton is first imported.
+Importing this module needs no triton (see ops/triton/runtime.py); kernels are decorated on
+first use.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 
-try:  # guarded: the module must import where triton is absent
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: str | None = None
-except Exception as _e:  # noqa: BLE001  # pragma: no cover - any import failure means "no triton"
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+from .runtime import TRITON_INTERPRETED, jit_decorator, tl, triton, triton_available_cached
 
 __all__ = [
     "BLOCK_M",
     "DEFAULT_BLOCK_N",
     "build_block_table",
     "head_dim_chunks",
-    "triton_available",
+    "noop_block_table",
     "varlen_attention",
 ]
 
@@ -53,8 +41,6 @@ BLOCK_M = 128
 # Key/value rows per inner-loop step.
 DEFAULT_BLOCK_N = 64
 _MAX_HEAD_DIM = 256
-# rotary_mode="auto": above this max_seqlen rotate q and k in a pre-pass (see varlen_attention)
-_ROTARY_PREPASS_MIN_SEQLEN = 2048
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -62,69 +48,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------
 # host helpers (pure Python / CPU torch, no device access)
 # --------------------------------------------------------------------------------------------
-
-
-def _env_interpret() -> bool:
-    """TRITON_INTERPRET as triton reads it (at call time)."""
-    if triton is not None:
-        knobs = getattr(triton, "knobs", None)
-        if knobs is not None:
-            return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-def _detect_imported_mode() -> bool | None:
-    """Was triton imported in interpreter mode?  (None if triton is absent.)
-
-    triton decorates its own standard library (tl.zeros, tl.cdiv, ...) when ``triton`` is first
-    imported, according to TRITON_INTERPRET at that moment; a kernel can only run in that same
-    mode, so this, not the variable's current value, decides how our kernels are built.
-    """
-    if triton is None:
-        return None
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-
-        std = getattr(tl, "standard", None)
-        fn = getattr(std, "zeros", None) or getattr(std, "cdiv", None)
-        if isinstance(fn, InterpretedFunction):
-            return True
-        if isinstance(fn, JITFunction):
-            return False
-    except ImportError:  # pragma: no cover - layout of another triton version
-        return _env_interpret()
-    return _env_interpret()
-
-
-_TRITON_INTERPRETED = _detect_imported_mode()
-
-
-def triton_available() -> tuple[bool, str]:
-    """(usable, reason): triton importable and either a CUDA device or TRITON_INTERPRET=1.
-
-    TRITON_INTERPRET=1 must be set before ``triton`` is first imported in the process.
-    """
-    if triton is None:
-        return False, f"triton is not importable ({_TRITON_IMPORT_ERROR})"
-    if _TRITON_INTERPRETED:
-        return True, f"triton {triton.__version__} in interpreter mode (TRITON_INTERPRET=1)"
-    if _env_interpret():
-        return False, (
-            "TRITON_INTERPRET=1 was set after triton had been imported in compiled mode; the "
-            "interpreter needs it set before the first `import triton` (use a fresh process)"
-        )
-    if torch.cuda.is_available():
-        return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
-    return False, (
-        f"triton {triton.__version__} is importable but no CUDA device is present "
-        "(set TRITON_INTERPRET=1 before importing triton to run on CPU tensors via the interpreter)"
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_available_cached() -> tuple[bool, str]:
-    return triton_available()
 
 
 def build_block_table(seq_lens: list[int], block_m: int = BLOCK_M, sort: bool = True) -> torch.Tensor:
@@ -165,6 +88,13 @@ def build_block_table(seq_lens: list[int], block_m: int = BLOCK_M, sort: bool = 
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def noop_block_table(rows: int, device, block_m: int = BLOCK_M) -> torch.Tensor:
+    """``rows`` block-table rows that make no program do anything: a 1-token sequence at offset 0
+    whose query block starts past its end stores nothing (each still computes one masked tile).
+    Pads the table of a graph captured over a fixed grid."""
+    return torch.tensor([[0, 1, block_m]], device=device, dtype=torch.int32).repeat(rows, 1)
+
+
 def head_dim_chunks(head_dim: int) -> tuple[int, int]:
     """(D0, D1): power-of-two main chunk + power-of-two remainder chunk (0 if none).
 
@@ -182,7 +112,7 @@ def head_dim_chunks(head_dim: int) -> tuple[int, int]:
     return d0, d1
 
 
-def _default_config(head_dim: int, dtype: torch.dtype, block_m: int, rotary: bool) -> tuple[int, int, int]:
+def _default_config(head_dim: int, dtype: torch.dtype, block_m: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for Hopper; deterministic, keyed on head dim."""
     d0, d1 = head_dim_chunks(head_dim)
     eff = d0 + d1
@@ -223,33 +153,10 @@ if triton is not None:
                 offs_d = tl.minimum(offs_d, HEAD_DIM - 1)
         return offs_d
 
-    def _load_tile(
-        base,
-        rows,
-        stride_n,
-        cos_base,
-        sin_base,
-        stride_cn,
-        stride_sn,
-        DSTART: tl.constexpr,
-        DW: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        ROTARY: tl.constexpr,
-    ):
-        """Unmasked [rows, chunk] tile load (rows must be valid); rotary applied if asked."""
+    def _load_tile(base, rows, stride_n, DSTART: tl.constexpr, DW: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Unmasked [rows, chunk] tile load (rows must be valid)."""
         offs_d = _chunk_cols(DSTART, DW, HEAD_DIM)
-        row_off = rows[:, None] * stride_n
-        x = tl.load(base + row_off + offs_d[None, :])
-        if ROTARY:
-            HALF: tl.constexpr = HEAD_DIM // 2
-            first = offs_d < HALF
-            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-            xp = tl.load(base + row_off + partner[None, :]).to(tl.float32)
-            xp = tl.where(first[None, :], -xp, xp)  # rotate_half: [x1, x2] -> [-x2, x1]
-            c = tl.load(cos_base + rows[:, None] * stride_cn + offs_d[None, :])
-            s = tl.load(sin_base + rows[:, None] * stride_sn + offs_d[None, :])
-            x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
-        return x
+        return tl.load(base + rows[:, None] * stride_n + offs_d[None, :])
 
     def _attn_step(
         acc0,
@@ -260,21 +167,16 @@ if triton is not None:
         q1,
         k_base,
         v_base,
-        cos_base,
-        sin_base,
         start_n,
         seq_len,
         stride_kn,
         stride_vn,
-        stride_cn,
-        stride_sn,
         qk_scale,
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D0: tl.constexpr,
         D1: tl.constexpr,
         MASKED: tl.constexpr,
-        ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         """One key/value block of the online softmax (MASKED only for the sequence's last block)."""
@@ -283,12 +185,10 @@ if triton is not None:
             rows = tl.minimum(offs_n, seq_len - 1)  # clamp: duplicates of the last row
         else:
             rows = offs_n
-        k0 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, ROTARY_K)
+        k0 = _load_tile(k_base, rows, stride_kn, 0, D0, HEAD_DIM)
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         if D1 > 0:
-            k1 = _load_tile(k_base, rows, stride_kn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, ROTARY_K)
+            k1 = _load_tile(k_base, rows, stride_kn, D0, D1, HEAD_DIM)
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         if MASKED:
             qk = tl.where((offs_n < seq_len)[None, :], qk, float("-inf"))
@@ -298,12 +198,10 @@ if triton is not None:
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(q0.dtype)
-        v0 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, False)
+        v0 = _load_tile(v_base, rows, stride_vn, 0, D0, HEAD_DIM)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
         if D1 > 0:
-            v1 = _load_tile(v_base, rows, stride_vn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, False)
+            v1 = _load_tile(v_base, rows, stride_vn, D0, D1, HEAD_DIM)
             acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
         return acc0, acc1, m_new, l_i
 
@@ -313,8 +211,6 @@ if triton is not None:
         V,
         O,
         BT,
-        COS,
-        SIN,
         stride_qn,
         stride_qh,
         stride_kn,
@@ -323,8 +219,6 @@ if triton is not None:
         stride_vh,
         stride_on,
         stride_oh,
-        stride_cn,
-        stride_sn,
         qk_scale,
         HEAD_DIM: tl.constexpr,
         D0: tl.constexpr,
@@ -332,9 +226,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ALIGN: tl.constexpr,
-        CALIGN: tl.constexpr,
-        ROTARY_Q: tl.constexpr,
-        ROTARY_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -350,8 +241,6 @@ if triton is not None:
         stride_vh = stride_vh * ALIGN
         stride_on = stride_on * ALIGN
         stride_oh = stride_oh * ALIGN
-        stride_cn = stride_cn * CALIGN
-        stride_sn = stride_sn * CALIGN
 
         seq_start = tl.load(BT + pid * 3).to(tl.int64)
         seq_len = tl.load(BT + pid * 3 + 1)
@@ -361,26 +250,18 @@ if triton is not None:
         k_base = K + seq_start * stride_kn + head * stride_kh
         v_base = V + seq_start * stride_vn + head * stride_vh
         o_base = O + seq_start * stride_on + head * stride_oh
-        if ROTARY_Q or ROTARY_K:
-            cos_base = COS + seq_start * stride_cn
-            sin_base = SIN + seq_start * stride_sn
-        else:
-            cos_base = COS
-            sin_base = SIN
 
         offs_m = q_start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < seq_len
         q_rows = tl.minimum(offs_m, seq_len - 1)  # clamp: rows past the sequence are not stored
         offs_d0 = tl.arange(0, D0)
-        q0 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                        0, D0, HEAD_DIM, ROTARY_Q)
+        q0 = _load_tile(q_base, q_rows, stride_qn, 0, D0, HEAD_DIM)
         if D0 > HEAD_DIM:
             q0 = tl.where((offs_d0 < HEAD_DIM)[None, :], q0, 0.0)
         acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
         if D1 > 0:
             offs_d1 = D0 + tl.arange(0, D1)
-            q1 = _load_tile(q_base, q_rows, stride_qn, cos_base, sin_base, stride_cn, stride_sn,
-                            D0, D1, HEAD_DIM, ROTARY_Q)
+            q1 = _load_tile(q_base, q_rows, stride_qn, D0, D1, HEAD_DIM)
             if D0 + D1 > HEAD_DIM:
                 q1 = tl.where((offs_d1 < HEAD_DIM)[None, :], q1, 0.0)
             acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
@@ -395,14 +276,12 @@ if triton is not None:
         n_full = (seq_len // BLOCK_N) * BLOCK_N
         for start_n in range(0, n_full, BLOCK_N):
             acc0, acc1, m_i, l_i = _attn_step(
-                acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
-                stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, False, ROTARY_K, DOT_PREC)
+                acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, seq_len,
+                stride_kn, stride_vn, qk_scale, BLOCK_N, HEAD_DIM, D0, D1, False, DOT_PREC)
         for start_n in range(n_full, seq_len, BLOCK_N):
             acc0, acc1, m_i, l_i = _attn_step(
-                acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, cos_base, sin_base, start_n, seq_len,
-                stride_kn, stride_vn, stride_cn, stride_sn, qk_scale,
-                BLOCK_N, HEAD_DIM, D0, D1, True, ROTARY_K, DOT_PREC)
+                acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, start_n, seq_len,
+                stride_kn, stride_vn, qk_scale, BLOCK_N, HEAD_DIM, D0, D1, True, DOT_PREC)
 
         inv_l = 1.0 / l_i
         o_rows = o_base + offs_m[:, None] * stride_on
@@ -415,89 +294,8 @@ if triton is not None:
             out1 = (acc1 * inv_l[:, None]).to(O.dtype.element_ty)
             tl.store(o_rows + offs_d1[None, :], out1, mask=m_mask[:, None] & (offs_d1[None, :] < HEAD_DIM))
 
-    def _rotary_kernel(
-        X,
-        Y,
-        COS,
-        SIN,
-        n_tok,
-        stride_xn,
-        stride_xh,
-        stride_yn,
-        stride_yh,
-        stride_cn,
-        stride_sn,
-        HEAD_DIM: tl.constexpr,
-        DP: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-    ):
-        """Y[n, h] = rotary(X[n, h]) in fp32, cast to Y's dtype (memory-bound elementwise pass)."""
-        pid = tl.program_id(0)
-        head = tl.program_id(1)
-        rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        rows64 = rows.to(tl.int64)
-        offs_d = tl.arange(0, DP)
-        mask = (rows < n_tok)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        HALF: tl.constexpr = HEAD_DIM // 2
-        first = offs_d < HALF
-        partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-        x_rows = X + head * stride_xh + rows64[:, None] * stride_xn
-        x = tl.load(x_rows + offs_d[None, :], mask=mask, other=0.0)
-        xp = tl.load(x_rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        xp = tl.where(first[None, :], -xp, xp)
-        c = tl.load(COS + rows64[:, None] * stride_cn + offs_d[None, :], mask=mask, other=0.0)
-        sn = tl.load(SIN + rows64[:, None] * stride_sn + offs_d[None, :], mask=mask, other=0.0)
-        y = (x.to(tl.float32) * c + xp * sn).to(Y.dtype.element_ty)
-        tl.store(Y + head * stride_yh + rows64[:, None] * stride_yn + offs_d[None, :], y, mask=mask)
-
-
-def _interpreter_numpy_compat() -> None:
-    """Make triton's interpreter work with numpy >= 2.4 (interpret mode only).
-
-    The interpreter keeps scalars as 1-element arrays and converts them with
-    ``int(ndarray)`` for ``range(start, runtime_bound, step)``; numpy 2.4 made that a
-    TypeError.  This wraps the interpreter's tensor patching so ``__index__`` takes the single
-    element explicitly.  No-op where numpy still accepts it, or when already applied.
-    """
-    import numpy as np
-
-    try:
-        int(np.array([1]))
-        return
-    except TypeError:
-        pass
-    from triton.runtime import interpreter as _interp
-
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_fdx_numpy_compat", False):
-        return
-
-    def _index(self):
-        data = self.handle.data
-        return int(data.reshape(-1)[0]) if getattr(data, "size", 0) == 1 else int(data)
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", _index)
-
-    patched._fdx_numpy_compat = True
-    _interp._patch_lang_tensor = patched
-
-
-def jit_decorator():
-    """The triton decorator matching the mode triton was imported in (JIT compiled, or the
-    interpreter under TRITON_INTERPRET=1); every Triton module of ours decorates through it."""
-    if _TRITON_INTERPRETED:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _interpreter_numpy_compat()
-        return InterpretedFunction
-    from triton.runtime.jit import JITFunction
-    return JITFunction
-
 
 _KERNEL = None
-_ROTARY_KERNEL = None
 
 
 def _get_kernel():
@@ -506,13 +304,12 @@ def _get_kernel():
     Done on first use (not at import) so importing this module costs nothing; the helpers
     replace their raw module-level functions so the kernel's calls resolve to decorated ones.
     """
-    global _KERNEL, _ROTARY_KERNEL, _chunk_cols, _load_tile, _attn_step
+    global _KERNEL, _chunk_cols, _load_tile, _attn_step
     if _KERNEL is None:
         deco = jit_decorator()
         _chunk_cols = deco(_chunk_cols)
         _load_tile = deco(_load_tile)
         _attn_step = deco(_attn_step)
-        _ROTARY_KERNEL = deco(_rotary_kernel)
         _KERNEL = deco(_varlen_attn_fwd)
     return _KERNEL
 
@@ -563,39 +360,21 @@ def varlen_attention(
     max_seqlen: int,
     scale: float,
     out: torch.Tensor | None = None,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
     *,
     block_m: int = BLOCK_M,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    rotary_mode: str = "auto",
     maxnreg: int | None = None,
-    rotary_in_place: bool = False,
 ) -> torch.Tensor:
     """Block-diagonal (per-sequence, non-causal) attention over packed sequences, one launch.
 
     q, k, v: ``[N, H, D]`` fp16/bf16/fp32, any strides with ``stride(-1) == 1`` (e.g. views of a
-    packed qkv buffer).  block_table: from :func:`build_block_table` (same ``block_m``), already
-    on q's device.  max_seqlen: the longest sequence (host int; bounds int32 offset math).
-    scale: softmax scale (> 0).  out: optional contiguous ``[N, H, D]`` output of q's dtype.
-    cos, sin: optional ``[N, D]`` fp32 per-token rotary tables; when given, rotary
-    ``x*cos + rotate_half(x)*sin`` (fp32, cast back to q's dtype) is applied to q and k first;
-    ``rotary_mode`` picks where: "q_fused" rotates q tiles inside the attention kernel (each is
-    loaded once) and k in one extra elementwise launch into a scratch [N, H, D] buffer;
-    "prepass" rotates both q and k in that elementwise launch, then runs the plain kernel;
-    "fused" rotates k tiles inside the attention loop too (single launch, but every query
-    block re-rotates every k tile).  "auto" (default) = "prepass" when max_seqlen > 2048 else
-    "q_fused".  H200, bf16, H=16, D=72: page of 10764 tokens: prepass 1.72 ms, q_fused 1.98,
-    fused 4.73 (no rotary 1.60); 64 small images: q_fused 0.29, prepass 0.33, fused 0.39
-    (copying pre-pass; with rotary_in_place "auto" always takes the in-place pre-pass).
-    block_m must match the table's; block_n / num_warps / num_stages override the defaults;
-    maxnreg caps registers per thread (None: automatic, 0: no cap).
-    rotary_in_place: the caller allows q and k to be overwritten with their rotated values (the
-    encoder's qkv buffer is scratch): the pre-pass then rotates them in place, q and k together
-    in one launch when they are adjacent heads of one buffer (ops/triton_fused.py), instead of
-    into new buffers.
+    packed qkv buffer), q and k already rotated.  block_table: from :func:`build_block_table`
+    (same ``block_m``), already on q's device.  max_seqlen: the longest sequence (host int;
+    bounds int32 offset math).  scale: softmax scale (> 0).  out: optional contiguous
+    ``[N, H, D]`` output of q's dtype.  block_m must match the table's; block_n / num_warps /
+    num_stages override the defaults; maxnreg caps registers per thread (None or 0: no cap).
     Returns the contiguous ``[N, H, D]`` output.  Rows of tokens not covered by the block table
     are left untouched.  No host<->device synchronisation.
     """
@@ -629,30 +408,6 @@ def varlen_attention(
     if not (scale > 0.0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite positive float, got {scale}")
 
-    rotary = cos is not None or sin is not None
-    if rotary:
-        if cos is None or sin is None:
-            raise ValueError("cos and sin must be given together")
-        for name, t in (("cos", cos), ("sin", sin)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or tuple(t.shape) != (n_tok, head_dim):
-                raise ValueError(f"{name} must be [N, D] = {(n_tok, head_dim)}, got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-            if t.dtype != torch.float32:
-                raise ValueError(f"{name} must be float32, got {t.dtype}")
-            if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
-            if t.stride(-1) != 1:
-                raise ValueError(f"{name} must have stride(-1) == 1, got strides {t.stride()}")
-        if head_dim % 2:
-            raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
-    if rotary_mode not in ("auto", "q_fused", "fused", "prepass"):
-        raise ValueError(f"rotary_mode must be 'auto', 'q_fused', 'fused' or 'prepass', got {rotary_mode!r}")
-    if rotary_mode == "auto":
-        # the in-place one-launch pass (q and k together, ~0.07 ms per layer on a page on the
-        # H200) beat rotating q inside the kernel on every workload; the copying pre-pass only
-        # pays above _ROTARY_PREPASS_MIN_SEQLEN
-        rotary_mode = "prepass" if (rotary_in_place or max_seqlen > _ROTARY_PREPASS_MIN_SEQLEN) else "q_fused"
-
     if out is None:
         out = torch.empty((n_tok, n_heads, head_dim), dtype=q.dtype, device=q.device)
     else:
@@ -661,7 +416,7 @@ def varlen_attention(
             raise ValueError(f"out must be contiguous [N, H, D], got strides {out.stride()}")
 
     d0, d1 = head_dim_chunks(head_dim)
-    cfg_n, cfg_w, cfg_s = _default_config(head_dim, q.dtype, block_m, rotary)
+    cfg_n, cfg_w, cfg_s = _default_config(head_dim, q.dtype, block_m)
     block_n = cfg_n if block_n is None else int(block_n)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -678,16 +433,15 @@ def varlen_attention(
     if num_blocks == 0 or n_tok == 0 or n_heads == 0:
         return out
 
-    ok, why = _triton_available_cached()
+    ok, why = triton_available_cached()
     if not ok:
         raise RuntimeError(f"varlen_attention needs triton: {why}")
-    if q.device.type != "cuda" and not _TRITON_INTERPRETED:
+    if q.device.type != "cuda" and not TRITON_INTERPRETED:
         raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
                          "(or set TRITON_INTERPRET=1 for CPU tensors)")
 
     # int32 in-sequence offsets: rows * stride must fit
-    max_stride = max(q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                     cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0)
+    max_stride = max(q.stride(0), k.stride(0), v.stride(0), out.stride(0))
     if (max(max_seqlen, block_m) + 1) * max_stride >= 2**31:
         raise ValueError(f"max_seqlen {max_seqlen} x row stride {max_stride} overflows int32 offsets")
 
@@ -699,55 +453,14 @@ def varlen_attention(
     vec = 16 // q.element_size()
     q, k, v = _as_aligned(q, vec), _as_aligned(k, vec), _as_aligned(v, vec)
     out_k = out if _is_aligned(out, vec) else _as_aligned(torch.empty_like(out), vec)
-    if rotary:
-        cos_arg, sin_arg = _as_aligned(cos, 4), _as_aligned(sin, 4)
-        scn, ssn = cos_arg.stride(0) // 4, sin_arg.stride(0) // 4
-    else:
-        cos_arg, sin_arg = q, q  # unused placeholders (no rotary)
-        scn = ssn = 0
 
-    kernel = _get_kernel()
-    rot_q = rotary and rotary_mode != "prepass"
-    rot_k = rotary and rotary_mode == "fused"
-
-    def _prepass(x):  # rotated copy of x (fp32 math, cast), one elementwise launch
-        y = _as_aligned(torch.empty_like(x, memory_format=torch.contiguous_format), vec)
-        block_t = 32 if head_dim <= 128 else 16
-        _ROTARY_KERNEL[(triton.cdiv(n_tok, block_t), n_heads)](
-            x, y, cos_arg, sin_arg, n_tok,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-            cos_arg.stride(0), sin_arg.stride(0),
-            HEAD_DIM=head_dim,
-            DP=triton.next_power_of_2(head_dim),
-            BLOCK_T=block_t,
-            num_warps=4,
-        )
-        return y
-
-    if rotary and rotary_in_place and not rot_k:
-        from .triton_fused import rotary_q_and_k_in_place, rotary_qk_in_place
-        if rot_q:
-            rotary_qk_in_place(k, cos_arg, sin_arg)
-        else:
-            rotary_q_and_k_in_place(q, k, cos_arg, sin_arg)
-    else:
-        if rotary and not rot_k:
-            k = _prepass(k)
-        if rotary and not rot_q:
-            q = _prepass(q)
-    if maxnreg is None:
-        # q rotation in the prologue lifts the peak to ~190 registers at 8 warps (1 CTA/SM);
-        # capping at 128 keeps 2 CTAs/SM like the plain kernel (spills only in the prologue)
-        maxnreg = 128 if (rot_q and not rot_k and num_warps == 8 and q.dtype != torch.float32) else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg else {}
-    grid = (num_blocks, n_heads)
-    kernel[grid](
-        q, k, v, out_k, block_table, cos_arg, sin_arg,
+    _get_kernel()[(num_blocks, n_heads)](
+        q, k, v, out_k, block_table,
         q.stride(0) // vec, q.stride(1) // vec,
         k.stride(0) // vec, k.stride(1) // vec,
         v.stride(0) // vec, v.stride(1) // vec,
         out_k.stride(0) // vec, out_k.stride(1) // vec,
-        scn, ssn,
         scale * _LOG2E,
         HEAD_DIM=head_dim,
         D0=d0,
@@ -755,9 +468,6 @@ def varlen_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         ALIGN=vec,
-        CALIGN=4,
-        ROTARY_Q=rot_q,
-        ROTARY_K=rot_k,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,

@@ -1,0 +1,144 @@
+"""The Triton runtime every kernel of ours goes through: the guarded import, whether kernels can
+run here, and the decorator matching the mode triton was imported in.
+
+Triton is imported guarded: this module (and every kernel module) imports fine without it;
+:func:`triton_available` says why not. Kernels are decorated on first use, through
+:func:`jit_decorator`. On CPU tensors they run under the Triton interpreter, which needs
+``TRITON_INTERPRET=1`` set before triton is first imported in the process.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # guarded: the module must import where triton is absent
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except Exception as _e:  # noqa: BLE001  # pragma: no cover - any import failure means "no triton"
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+
+__all__ = ["TRITON_INTERPRETED", "jit_decorator", "kernels_usable", "tl", "triton", "triton_available",
+           "triton_available_cached"]
+
+
+def _env_interpret() -> bool:
+    """TRITON_INTERPRET as triton reads it (at call time)."""
+    if triton is not None:
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None:
+            return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _detect_imported_mode() -> bool | None:
+    """Was triton imported in interpreter mode?  (None if triton is absent.)
+
+    triton decorates its own standard library (tl.zeros, tl.cdiv, ...) when ``triton`` is first
+    imported, according to TRITON_INTERPRET at that moment; a kernel can only run in that same
+    mode, so this, not the variable's current value, decides how our kernels are built.
+    """
+    if triton is None:
+        return None
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        std = getattr(tl, "standard", None)
+        fn = getattr(std, "zeros", None) or getattr(std, "cdiv", None)
+        if isinstance(fn, InterpretedFunction):
+            return True
+        if isinstance(fn, JITFunction):
+            return False
+    except ImportError:  # pragma: no cover - layout of another triton version
+        return _env_interpret()
+    return _env_interpret()
+
+
+TRITON_INTERPRETED = _detect_imported_mode()
+
+
+def triton_available() -> tuple[bool, str]:
+    """(usable, reason): triton importable and either a CUDA device or TRITON_INTERPRET=1.
+
+    TRITON_INTERPRET=1 must be set before ``triton`` is first imported in the process.
+    """
+    if triton is None:
+        return False, f"triton is not importable ({TRITON_IMPORT_ERROR})"
+    if TRITON_INTERPRETED:
+        return True, f"triton {triton.__version__} in interpreter mode (TRITON_INTERPRET=1)"
+    if _env_interpret():
+        return False, (
+            "TRITON_INTERPRET=1 was set after triton had been imported in compiled mode; the "
+            "interpreter needs it set before the first `import triton` (use a fresh process)"
+        )
+    if torch.cuda.is_available():
+        return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
+    return False, (
+        f"triton {triton.__version__} is importable but no CUDA device is present "
+        "(set TRITON_INTERPRET=1 before importing triton to run on CPU tensors via the interpreter)"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available_cached() -> tuple[bool, str]:
+    return triton_available()
+
+
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Our Triton kernels can run on t's device (CUDA, or CPU under the interpreter)."""
+    if triton is None:
+        return False
+    if TRITON_INTERPRETED:
+        return t.device.type == "cpu"
+    return t.device.type == "cuda"
+
+
+def _interpreter_numpy_compat() -> None:
+    """Make triton's interpreter work with numpy >= 2.4 (interpret mode only).
+
+    The interpreter keeps scalars as 1-element arrays and converts them with
+    ``int(ndarray)`` for ``range(start, runtime_bound, step)``; numpy 2.4 made that a
+    TypeError.  This wraps the interpreter's tensor patching so ``__index__`` takes the single
+    element explicitly.  No-op where numpy still accepts it, or when already applied.
+    """
+    import numpy as np
+
+    try:
+        int(np.array([1]))
+        return
+    except TypeError:
+        pass
+    from triton.runtime import interpreter as _interp
+
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fdx_numpy_compat", False):
+        return
+
+    def _index(self):
+        data = self.handle.data
+        return int(data.reshape(-1)[0]) if getattr(data, "size", 0) == 1 else int(data)
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", _index)
+
+    patched._fdx_numpy_compat = True
+    _interp._patch_lang_tensor = patched
+
+
+def jit_decorator():
+    """The triton decorator matching the mode triton was imported in (JIT compiled, or the
+    interpreter under TRITON_INTERPRET=1); every Triton module of ours decorates through it."""
+    if TRITON_INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreter_numpy_compat()
+        return InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    return JITFunction
