@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from import_graph import cycles, describe, import_graph
+from .import_graph import cycles, describe, import_graph
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import BenchError
+
 log = logging.getLogger(__name__)
 
 #: the released PaddleOCR-VL checkpoint's preprocessor settings (DESIGN.md section 4)
@@ -40,23 +42,22 @@ def add_arguments(p) -> None:
 
 
 def _parse(args):
-    from ..entrypoints.args import CliError
     from ..models.paddleocr_vl.preprocess_pool import default_workers
     try:
         h, w = (int(x) for x in args.size.lower().split("x"))
         if h <= 0 or w <= 0:
             raise ValueError
     except ValueError:
-        raise CliError(f"--size must be HxW with positive integers, got {args.size!r}") from None
+        raise BenchError(f"--size must be HxW with positive integers, got {args.size!r}") from None
     if args.images < 1 or args.iters < 1 or args.warmup < 0:
-        raise CliError("--images and --iters must be >= 1, --warmup >= 0")
+        raise BenchError("--images and --iters must be >= 1, --warmup >= 0")
     if args.workers:
         try:
             workers = [int(x) for x in args.workers.split(",") if x.strip()]
         except ValueError:
-            raise CliError(f"--workers must be a comma list of integers, got {args.workers!r}") from None
+            raise BenchError(f"--workers must be a comma list of integers, got {args.workers!r}") from None
         if not workers or any(n < 1 for n in workers):
-            raise CliError(f"--workers must be positive integers, got {args.workers!r}")
+            raise BenchError(f"--workers must be positive integers, got {args.workers!r}")
     else:
         workers = sorted({1, default_workers()})
     return (h, w), workers

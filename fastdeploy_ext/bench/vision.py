@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..plan import PlanError, PlanRequest
 from ..runner import ModelSource, choose_device
+from . import BenchError
 from .timing import median_ms
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,6 @@ VARIANTS = (
     Variant("triton:strided/host/fused", "strided", "host", False, "triton_rope_varlen", "on"),
     Variant("triton:strided/host/graph+fused", "strided", "host", True, "triton_rope_varlen", "on"),
 )
-
-
-class BenchError(ValueError):
-    """A benchmark request that cannot run (unknown workload or variant); the message says why."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import time
 from .. import envs
 from ..plan import PlanError
 from ..runner import ModelSource
+from ..bench import BenchError
 from .args import (CliError, add_engine_args, add_model_args, add_runner_args, command_parser,
                    engine_config_from_args, model_source_from_args, plan_request_from_args, root_parser)
 
@@ -126,7 +127,7 @@ def cmd_bench_vision(args) -> int:
     try:
         return vision.run_vision_bench(model_source_from_args(args, default_dummy=True), plan_request_from_args(args),
                                        vision.options_from_args(args))
-    except (vision.BenchError, RuntimeError) as e:   # RuntimeError: --device absent
+    except RuntimeError as e:   # --device absent
         raise CliError(str(e)) from None
 
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(str(e)) from None
         with emulation:     # FD_EMULATE=metax: the backend's own fakes, for this command only
             return args.func(args)
-    except CliError as e:
+    except (CliError, BenchError) as e:
         print(f"fastdeploy-ext {args.command}: error: {e}", file=sys.stderr)
         return 2
 
