@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -59,24 +58,11 @@ import yaml
 from . import envs
 from .plan import CapabilityRow, PlanError
 
-__all__ = ["CapabilityError", "capability_table", "default_capabilities_resource", "shipped_rows"]
+__all__ = ["CapabilityError", "capability_table", "shipped_rows"]
 
 
 class CapabilityError(PlanError):
     """A capability file is missing, unreadable or malformed; names the file and the row."""
-
-
-def default_capabilities_resource(cls) -> Any | None:
-    """``capabilities.yaml`` next to the module defining ``cls`` (its package), or None."""
-    module = sys.modules.get(cls.__module__)
-    package = getattr(module, "__package__", None) or ""
-    if not package:
-        return None
-    try:
-        res = resources.files(package).joinpath("capabilities.yaml")
-    except (ModuleNotFoundError, TypeError):
-        return None
-    return res if res.is_file() else None
 
 
 def _read(resource: Any, origin: str) -> dict[str, dict]:

@@ -95,9 +95,18 @@ class DeviceRunner(ABC):
     def capabilities_resource(cls):
         """Where this backend's capability rows are (a file or importlib.resources Traversable
         holding YAML), or None when it ships none. Default: ``capabilities.yaml`` in the package
-        of the module defining the class. Schema and override rules: fastdeploy_ext/capabilities.py."""
-        from .capabilities import default_capabilities_resource
-        return default_capabilities_resource(cls)
+        of the module defining the class. Schema and override rules: fastdeploy_ext/capabilities.py
+        (which imports this registry: the lookup is here so the two do not import each other)."""
+        import sys
+        from importlib import resources
+        package = getattr(sys.modules.get(cls.__module__), "__package__", None) or ""
+        if not package:
+            return None
+        try:
+            res = resources.files(package).joinpath("capabilities.yaml")
+        except (ModuleNotFoundError, TypeError):
+            return None
+        return res if res.is_file() else None
 
     @classmethod
     def emulation(cls) -> "contextlib.AbstractContextManager | None":

@@ -66,10 +66,9 @@ rows:
     dtypes: [float32]
     default_dtype: float32
     attention:
-      - {backend: sdpa, reads_strides: false, head_dims: [1, 512], dtypes: [float32], graph_safe: false}
+      - {backend: sdpa, reads_strides: false, dtypes: [float32]}
     host_grid_thw: true
     graphs: {kinds: [], default: false}
-    compile_layers: {supported: false, default: false}
 '''
 
 
@@ -143,10 +142,9 @@ def test_override_adds_a_row_ahead_of_the_shipped_ones(tmp_path):
             dtypes: [float32]
             default_dtype: float32
             attention:
-              - {backend: sdpa, reads_strides: false, head_dims: [1, 512], dtypes: [float32]}
+              - {backend: sdpa, reads_strides: false, dtypes: [float32]}
             host_grid_thw: false
             graphs: {kinds: [], default: false}
-            compile_layers: {supported: false, default: false}
         """)
     table = capability_table(override=path)
     assert list(table)[0] == "cpu_amx_lab" and "(added)" in table["cpu_amx_lab"].source

@@ -139,7 +139,7 @@ def test_h200_text_plan_triton_paged_with_decode_graphs():
 
 def test_without_triton_the_text_falls_back_and_decode_graphs_turn_off():
     no_triton = dict(TEXT_ALL, triton_paged=(False, "triton not importable"))
-    p = _plan("cuda_sm90", text_kernels=no_triton)
+    p = _plan("cuda_sm90", text_available=no_triton)
     assert p.text_attention.value == "sdpa_paged" and "triton_paged" in p.text_attention.reason
     assert any("text attention triton_paged skipped" in n for n in p.notes)
     assert p.decode_graphs.value == () and "cannot be captured" in p.decode_graphs.reason
