@@ -32,7 +32,7 @@ fi
 # pytest plugin) come from the wheel's metadata; the code imported is the tree's (cwd first).
 FDX="python3 -m fastdeploy_ext.entrypoints.cli"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/info.txt"
-python3 -c "from fastdeploy_ext.ops.fa3_attention import load_fa3; print('fa3:', load_fa3()[1])" | tee -a "$OUT/info.txt"
+python3 -c "from fastdeploy_ext.ops.attention.fa3 import load_fa3; print('fa3:', load_fa3()[1])" | tee -a "$OUT/info.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw --format=csv >> "$OUT/info.txt" 2>&1
 echo "commit: ${FDX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >> "$OUT/info.txt"
 steps=${*:-all}

@@ -183,7 +183,7 @@ class PagedAttention:
         return self.attend_cached(layer, q)
 
     def write_rotated(self, layer: int, qkv, cos, sin) -> None:
-        from .ops.triton_decoder_fused import rope_and_cache
+        from .ops.triton.decoder_passes import rope_and_cache
         rope_and_cache(qkv, cos, sin, self.kv.k[layer], self.kv.v[layer], self.meta.slot_mapping, *self.heads)
 
     def attend_cached(self, layer: int, q):

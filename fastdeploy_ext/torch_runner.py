@@ -174,10 +174,10 @@ class TorchRunner(DeviceRunner):
                             f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {tc.head_dim}")
         self.tokenizer = load_tokenizer(model_dir, self.cfg)
         self.chat_template = load_chat_template(model_dir)
-        from .ops import triton_decoder_fused
+        from .ops.triton import decoder_passes
         # the decoder's Triton passes ride on the plan's fused_layers decision (same kernels' family,
         # same availability: Triton on CUDA); eager ATen elsewhere
-        self.text_model.fused = bool(self.plan.fused_layers.value) and triton_decoder_fused.usable(self.device)
+        self.text_model.fused = bool(self.plan.fused_layers.value) and decoder_passes.usable(self.device)
         log.info("text decoder: %s attention, KV blocks of %d, %s layers", self.plan.text_attention.value,
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
         self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),

@@ -21,9 +21,7 @@ from fastdeploy_ext.ops.rotary import rotary_in_place, rotary_out_of_place
 from fastdeploy_ext.capabilities import capability_table as load_table
 from fastdeploy_ext.plan import PlanRequest, resolve_plan
 
-from .plan_facts import ALL_PRESENT, absent
-
-ALL = absent("not installed", "fa3_varlen")      # the kernel facts, fa3 present or not per test
+from .plan_facts import WITH_FA3, absent
 
 FAKE_CONFIG = "CONFIG = {'build_flags': {'FLASHATTENTION_DISABLE_FP16': True}}\n"
 # Mirrors the real wheel's quirk: the interface imports `flash_attn_config`, which is not shipped.
@@ -63,7 +61,7 @@ def fake_fa3(tmp_path, monkeypatch):
 
 def test_plan_prefers_fa3_when_usable_and_says_why_when_not():
     row = load_table()["cuda_sm90"]
-    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, kernels=ALL_PRESENT)
+    p = resolve_plan(row, PlanRequest(), device="cuda:0", head_dim=72, kernels=WITH_FA3)
     assert p.attention.value == "fa3_varlen" and p.strided_qkv
     assert "triton_rope_varlen" in p.attention_fallbacks
     missing = absent("fa3_fwd_interface not installed (pip install fastdeploy_ext[fa3], i.e. fa3-fwd)", "fa3_varlen")
@@ -72,7 +70,7 @@ def test_plan_prefers_fa3_when_usable_and_says_why_when_not():
     assert any("fa3_varlen skipped" in n and "not installed" in n for n in p.notes)
     # this build has no fp16 kernels: fp16 plans skip it by the table's dtype list
     p = resolve_plan(row, PlanRequest(dtype="float16"), device="cuda:0", head_dim=72,
-                     kernels=ALL_PRESENT)
+                     kernels=WITH_FA3)
     assert p.attention.value == "triton_rope_varlen"
     # graphs need graph-safe backends; fa3_varlen is (FA3 itself is never captured)
     from fastdeploy_ext.ops.attention.varlen import get_backend

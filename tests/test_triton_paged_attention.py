@@ -184,7 +184,7 @@ def test_interp_text_runner_with_triton_paged_equals_sdpa_paged():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_interp_fused_passes_match_aten(dtype, tol):
     from fastdeploy_ext.models.paddleocr_vl.text import MRope, RMSNorm, apply_rotary
-    from fastdeploy_ext.ops.triton_decoder_fused import add_rms_norm, rope_and_cache, silu_mul
+    from fastdeploy_ext.ops.triton.decoder_passes import add_rms_norm, rope_and_cache, silu_mul
     g = torch.Generator().manual_seed(0)
     t, hidden, hq, hkv, d = 5, 96, 4, 2, 32
     norm = RMSNorm(hidden, 1e-5)

@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from . import BenchError
 from .timing import median_ms
 
 HIDDEN, INTER = 1152, 4304
@@ -91,7 +92,6 @@ def _profile_ops(fn) -> dict[str, float]:
 
 
 def run_cli(args) -> int:
-    from ..entrypoints.args import CliError
     from ..plan import PlanError, PlanRequest
     from ..runner import ModelSource, choose_device
     from .vision import WORKLOADS
@@ -99,16 +99,16 @@ def run_cli(args) -> int:
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
-        raise CliError(f"--tokens must be a comma list of integers, got {args.tokens!r}") from None
+        raise BenchError(f"--tokens must be a comma list of integers, got {args.tokens!r}") from None
     if not tokens or any(t < 1 for t in tokens):
-        raise CliError("--tokens must be positive")
+        raise BenchError("--tokens must be positive")
     if args.workload not in WORKLOADS:
-        raise CliError(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
+        raise BenchError(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
     try:
         cls, probe, why = choose_device(args.device)
         runner = cls.create(PlanRequest(device=args.device, dtype=args.dtype), probe=probe)
     except (PlanError, RuntimeError, ValueError) as e:
-        raise CliError(str(e)) from None
+        raise BenchError(str(e)) from None
     device, dtype = runner.device, runner.dtype
     print(f"bench gemm: device {runner.plan.device} (row {runner.plan.row}), {dtype}, "
           f"torch threads {torch.get_num_threads()}")

@@ -6,7 +6,7 @@ handed in by the runner (`Attention` below): it writes k/v into the paged KV cac
 over it, which is how prefill, chunked prefill and decode share one model.
 
 Two executions of the same weights: ATen ops (every device), and with ``fused`` the Triton
-passes of ops/triton_decoder_fused.py (residual add + RMSNorm, rotary + KV-cache write, SiLU *
+passes of ops/triton/decoder_passes.py (residual add + RMSNorm, rotary + KV-cache write, SiLU *
 up) that cut a layer from ~40 kernels to ~10 (decode is launch-bound).
 
 Numerics follow transformers' PaddleOCRTextModel: RMSNorm in fp32 then cast back before the
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
                       layer_idx: int, attend: Attention) -> tuple[torch.Tensor, torch.Tensor]:
         """h = input_layernorm(residual) (made by the previous pass); returns (mlp output, residual),
         the residual add of the output deferred to the next layer's add+norm pass."""
-        from ...ops.triton_decoder_fused import add_rms_norm, silu_mul
+        from ...ops.triton.decoder_passes import add_rms_norm, silu_mul
         n = h.shape[0]
         qkv = self.qkv_proj(h)
         attend.write_rotated(layer_idx, qkv, cos, sin)
@@ -159,7 +159,7 @@ class ErnieTextModel(nn.Module):
         return x
 
     def _forward_fused(self, x, cos, sin, attend: Attention) -> torch.Tensor:
-        from ...ops.triton_decoder_fused import add_rms_norm
+        from ...ops.triton.decoder_passes import add_rms_norm
         residual = x.clone()          # the residual stream is updated in place by the passes
         first = self.layers[0].input_layernorm
         h = add_rms_norm(None, residual, first.weight, first.eps)

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_attention as _ta
-from .triton_attention import tl, triton
+from .runtime import TRITON_INTERPRETED, jit_decorator, tl, triton
 
 
 def _pow2(n: int) -> int:
@@ -97,7 +96,7 @@ def _kernel(name: str):
     if name not in _KERNELS:
         raw = {"add_rms_norm": _add_rms_norm_kernel, "rope_cache": _rope_cache_kernel,
                "silu_mul": _silu_mul_kernel}[name]
-        _KERNELS[name] = _ta.jit_decorator()(raw)
+        _KERNELS[name] = jit_decorator()(raw)
     return _KERNELS[name]
 
 
@@ -105,7 +104,7 @@ def usable(device: torch.device) -> bool:
     """The passes can run on ``device``: CUDA with compiled Triton, or the CPU under the interpreter."""
     if triton is None:
         return False
-    return device.type == "cuda" if not _ta._TRITON_INTERPRETED else device.type == "cpu"
+    return device.type == "cuda" if not TRITON_INTERPRETED else device.type == "cpu"
 
 
 def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
