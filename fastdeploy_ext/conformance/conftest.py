@@ -29,10 +29,11 @@ def backend_cls(backend_name):
 
 @pytest.fixture(scope="session")
 def make_runner(backend_cls, request):
-    """make_runner(model_dir, **PlanRequest fields) -> a loaded runner."""
-    def make(model_dir=None, load_format="auto", **req):
+    """make_runner(model_dir, **PlanRequest fields) -> a loaded runner (with_text=True: the
+    text decoder, tokenizer and chat template too)."""
+    def make(model_dir=None, load_format="auto", with_text=False, **req):
         runner = backend_cls.create(PlanRequest(device=backend_cls.name, **req))
-        runner.load_model(model_dir, load_format=load_format)
+        runner.load_model(model_dir, load_format=load_format, with_text=with_text)
         request.config._fdx_plan_line = f"row={runner.plan.row} device={runner.plan.device}"
         return runner
     return make

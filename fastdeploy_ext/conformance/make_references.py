@@ -129,6 +129,40 @@ def _make_generate_greedy(dst: Path, inputs: dict[str, Path]) -> None:
                                "images": [p.name for p in images], "token_ids": ids}, indent=1))
 
 
+TEXT_PROMPT = "OCR:"
+TEXT_CONTINUATION = (17, 101, 230, 45, 9, 288)     # teacher-forced decode tokens after the prompt
+
+
+def text_prompt(model_dir: Path, image: Path):
+    """(prompt, processed image): our chat template + tokenizer + placeholder expansion for one
+    shipped image with the task prompt "OCR:"."""
+    from ..models.paddleocr_vl.config import PaddleOCRVLConfig
+    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+    from ..models.paddleocr_vl.prompt import build_prompt
+    from ..models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
+    cfg = PaddleOCRVLConfig.from_model_dir(model_dir)
+    im = ImageProcessor(PreprocessorConfig.from_model_dir(model_dir)).preprocess(image)
+    p = build_prompt(load_tokenizer(model_dir, cfg), load_chat_template(model_dir), cfg, prompt=TEXT_PROMPT,
+                     image_grids=[im.grid_thw])
+    return p, im
+
+
+def _make_text_logits(dst: Path, inputs: dict[str, Path]) -> None:
+    from safetensors.torch import save_file
+
+    from .tiny_text_model import load_reference, reference_logits
+    image = sorted(inputs["images"].glob("*.png"))[0]
+    p, im = text_prompt(inputs["tiny_vl"], image)
+    ids = p.token_ids + list(TEXT_CONTINUATION)
+    logits = reference_logits(load_reference(inputs["tiny_vl"]), ids, im.pixel_values, [list(im.grid_thw)])
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    n = len(p.token_ids)
+    save_file({"logits": logits[n - 1:].contiguous(), "prompt_token_ids": torch.tensor(p.token_ids),
+               "continuation": torch.tensor(TEXT_CONTINUATION)}, str(dst),
+              metadata={"image": image.name, "grid_thw": repr(tuple(im.grid_thw)), "prompt": TEXT_PROMPT,
+                        "pixel_values_sha256": pixels_sha256(im.pixel_values), "dtype": "torch.float32"})
+
+
 PRODUCERS: tuple[Producer, ...] = (
     Producer("tiny_torch", "model_dir", "tiny_torch",
              "random tiny PaddleOCR-VL (vision 2x72 heads, 2 layers; text 1 layer), save_pretrained, bf16 weights",
@@ -148,6 +182,10 @@ PRODUCERS: tuple[Producer, ...] = (
              "transformers generate, greedy, fp32 on the CPU: 8 new tokens (ignore eos) per shipped image, "
              "prompt 'OCR:' in the tiny_vl chat template, one request per image",
              ("tiny_vl", "images"), _make_generate_greedy),
+    Producer("text_logits", "tensors", "expected/text_logits.safetensors",
+             "transformers fp32 CPU logits of tiny_vl for the first image with the prompt 'OCR:' (our prompt "
+             "ids) followed by 6 teacher-forced tokens: rows from the last prompt token on",
+             ("tiny_vl", "images"), _make_text_logits),
 )
 
 
