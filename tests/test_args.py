@@ -78,3 +78,22 @@ def test_bench_vision_runs_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
 def test_bench_vision_unknown_workload_is_one_line(capsys):
     assert main(["bench", "vision", "--device", "cpu", "--workloads", "page,nope"]) == 2
     assert "unknown workloads ['nope']" in capsys.readouterr().err
+
+
+def test_encode_takes_a_data_url_image(tiny_dirs, png_files, tmp_path):
+    """`encode --image` accepts what every entry point accepts (fastdeploy_ext/inputs): a data:
+    URL of a file gives that file's features."""
+    import base64
+
+    from safetensors.torch import load_file
+    url = "data:image/png;base64," + base64.b64encode(png_files[0].read_bytes()).decode()
+    outs = []
+    for image in (str(png_files[0]), url):
+        out = tmp_path / f"{len(outs)}.safetensors"
+        assert main(["encode", "--model", str(tiny_dirs["torch"]), "--image", image, "--device", "cpu",
+                     "--output", str(out)]) == 0
+        outs.append(load_file(str(out)))
+    assert outs[0]["grid_thw"].tolist() == outs[1]["grid_thw"].tolist()
+    assert (outs[0]["image_0"] == outs[1]["image_0"]).all()
+    assert main(["encode", "--model", str(tiny_dirs["torch"]), "--image", "data:image/png;base64,@@",
+                 "--device", "cpu", "--output", str(tmp_path / "bad.safetensors")]) == 2

@@ -7,15 +7,13 @@ the request is queued.
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from ..inputs.images import ImageInputError, resolve_source
 from .errors import InvalidRequest
 from .sequence import ImageInput, ProcessedPrompt
 
@@ -56,34 +54,16 @@ class ModelPromptBuilder:
 IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
 
 
-def decode_data_url(url: str) -> bytes:
-    head, _, data = url.partition(",")
-    if not head.startswith("data:") or ";base64" not in head:
-        raise InvalidRequest(f"image data URL must be 'data:image/...;base64,...', got {url[:40]!r}...")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest("image data URL: invalid base64 payload") from None
-
-
 def image_source(obj: Any) -> Any:
     """A message's image (a content part's value, or a bare object) -> what the image processor
-    reads: a path, bytes or a PIL image."""
+    reads: a path, bytes or a PIL image (fastdeploy_ext/inputs: data: URLs decoded, file:// paths,
+    remote URLs refused)."""
     if isinstance(obj, dict):
         obj = obj.get("url", obj.get("image_url", obj.get("image")))
-    if isinstance(obj, str):
-        if obj.startswith("data:"):
-            return decode_data_url(obj)
-        if obj.startswith(("http://", "https://")):
-            raise InvalidRequest(f"image URL {obj[:60]!r}: remote images are not fetched; send the bytes as a "
-                                 "data URL or a local path")
-        if obj.startswith("file://"):
-            obj = obj[len("file://"):]
-        return obj
-    if isinstance(obj, (bytes, bytearray, memoryview, os.PathLike)) or hasattr(obj, "convert"):
-        return obj
-    raise InvalidRequest(f"unsupported image value of type {type(obj).__name__}: use a path, bytes, a data URL "
-                         "or a PIL image")
+    try:
+        return resolve_source(obj)
+    except ImageInputError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def split_messages(messages: Any) -> tuple[list[dict], list[Any]]:

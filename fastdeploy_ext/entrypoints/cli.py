@@ -90,7 +90,8 @@ def cmd_encode(args) -> int:
     from safetensors.torch import save_file
 
     from ..models.paddleocr_vl.metadata import BatchError
-    from ..models.paddleocr_vl.processor import ImageInputError, ImageProcessor, PreprocessorConfig
+    from ..inputs.images import ImageInputError, resolve_source
+    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
     from ..runner import ImageBatch
 
     source = model_source_from_args(args)
@@ -100,7 +101,9 @@ def cmd_encode(args) -> int:
         raise CliError(str(e)) from None
     processor = ImageProcessor(pcfg)
     try:   # images first: a bad file fails fast, before the model is loaded
-        images = [processor.preprocess(p) for p in args.image]
+        # a path, a file:// path or a data: URL (fastdeploy_ext/inputs), named by its path
+        labels = ["<data URL>" if p.startswith("data:") else p for p in args.image]
+        images = [processor.preprocess(resolve_source(p, lb), lb) for p, lb in zip(args.image, labels)]
     except ImageInputError as e:
         raise CliError(str(e)) from None
     runner = build_runner(args, source)

@@ -19,7 +19,8 @@ import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .processor import ImageInputError, ImageProcessor, ImageSource, ProcessedImage, _source_name
+from ...inputs.images import ImageInputError, ImageSource, source_name
+from .processor import ImageProcessor, ProcessedImage
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class PreprocessPool:
         futures = []
         for i, (src, nm) in enumerate(zip(images, names)):
             if nm is None:
-                nm = _source_name(src, None)
+                nm = source_name(src, None)
                 if nm.startswith("<"):
                     nm = f"<image {i}>"
             futures.append(self.submit(src, nm))

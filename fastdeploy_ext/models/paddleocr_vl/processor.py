@@ -21,31 +21,31 @@ Thread safety: ``ImageProcessor`` holds no mutable state after construction; ``p
 be called from several threads at once (PIL's resize and numpy's loops release the GIL), which
 is what ``preprocess_pool.PreprocessPool`` does.
 
-Input hygiene: every failure while reading an image (missing file, directory, empty or corrupt
-bytes, truncated data, pixel count above the decode cap, absurd aspect ratio) becomes an
-``ImageInputError`` that names the source; no raw PIL/OSError escapes. The pixel cap is checked on
-the header size, before any pixel is decoded (PIL's ``Image.open`` is lazy).
+Input hygiene is fastdeploy_ext/inputs/images.py's (missing, empty, corrupt or truncated files,
+the decode cap before decoding, data: URLs); this module adds the model's own size rule (an
+absurd aspect ratio, via smart_resize) before decoding, and the pixel math.
 
 This module does not import transformers (it is only a test-time reference).
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from ... import envs
+from ...inputs.images import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_ENV, ImageInputError, ImageSource
+from ...inputs.images import load_image as _load_image
+from ...inputs.images import source_name as _source_name
 from .pixel_map import PixelMapper
 
 logger = logging.getLogger(__name__)
@@ -54,33 +54,9 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_MIN_PIXELS = 384 * 384
 DEFAULT_MAX_PIXELS = 1536 * 1536
-#: Default decode cap: 64 Mi pixels (e.g. 8192 x 8192). Override with FD_MAX_IMAGE_PIXELS or
-#: PreprocessorConfig(max_image_pixels=...).
-DEFAULT_MAX_IMAGE_PIXELS = int(envs.FD_MAX_IMAGE_PIXELS.default)
-MAX_IMAGE_PIXELS_ENV = envs.FD_MAX_IMAGE_PIXELS.name
 MAX_ASPECT_RATIO = 200
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 
-ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
-
-
-class ImageInputError(ValueError):
-    """A bad image input. ``str(err)`` names the source, says what is wrong and what to do."""
-
-    def __init__(self, source: str | None, problem: str, hint: str = ""):
-        self.source = source
-        self.problem = problem
-        self.hint = hint
-        msg = f"{source}: {problem}" if source else problem
-        if hint:
-            msg = f"{msg}. {hint}"
-        super().__init__(msg)
-
-    def __reduce__(self):  # picklable across process pools despite the custom __init__
-        return (ImageInputError, (self.source, self.problem, self.hint))
-
-    def with_source(self, source: str) -> "ImageInputError":
-        return ImageInputError(source, self.problem, self.hint)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,168 +237,21 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DE
 # loading
 # --------------------------------------------------------------------------------------------
 
-def _source_name(src: Any, name: str | None) -> str:
-    if name:
-        return str(name)
-    if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)
-    if isinstance(src, (bytes, bytearray, memoryview)):
-        return "<bytes>"
-    if isinstance(src, Image.Image):
-        fn = getattr(src, "filename", None)
-        return str(fn) if fn else "<PIL image>"
-    return f"<{type(src).__name__}>"
-
-
-def _fmt_pixels(n: int) -> str:
-    return f"{n:,} pixels ({n / 1e6:.1f} MP)"
-
-
-def _ensure_pil_bomb_limit(cap: int) -> None:
-    """PIL's own bomb check (in Image.open) must not be stricter than our cap, or images we accept
-    would fail inside PIL with its generic message. Only ever raises PIL's global limit, never
-    lowers it; our header check enforces ``cap`` before decoding."""
-    cur = Image.MAX_IMAGE_PIXELS
-    if cur is not None and cur < cap:
-        Image.MAX_IMAGE_PIXELS = cap
-
-
-def _bomb_error(label: str, cap: int) -> ImageInputError:
-    # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS, and _ensure_pil_bomb_limit keeps that >= cap.
-    limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
-    return ImageInputError(
-        label,
-        f"image header claims more than {_fmt_pixels(limit)}, above the decode cap of {_fmt_pixels(cap)} "
-        f"(refused before decoding as a possible decompression bomb)",
-        f"Downscale it before sending, or raise {MAX_IMAGE_PIXELS_ENV} / max_image_pixels if it is legitimate")
-
-
-def _convert_rgb(img: Image.Image) -> Image.Image:
-    """transformers' convert_to_rgb for PIL images: transparency composited onto white."""
-    has_alpha = "A" in img.getbands() or img.info.get("transparency") is not None
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    if img.mode == "RGB":
-        return img
-    return img.convert("RGB")
-
-
-def load_image(src: ImageSource, cfg: PreprocessorConfig | None = None, name: str | None = None, *,
-               exif_transpose: bool = True) -> Image.Image:
-    """Open, validate, fully decode and convert an image to RGB.
-
-    ``src``: a path (str / PathLike), encoded bytes, or a PIL image. ``name`` overrides the name used
-    in error messages (e.g. ``"<image 3>"``). Paths and bytes get their EXIF orientation applied
-    (as transformers' ``load_image`` does for paths); PIL images are taken as they are (as the
-    transformers processor does). Every failure raises ``ImageInputError`` naming the source.
-    """
-    cfg = cfg or PreprocessorConfig()
-    label = _source_name(src, name)
-    cap = cfg.max_image_pixels
-
-    if isinstance(src, Image.Image):
-        img = src
-        w, h = img.size
-        _check_size(label, w, h, cfg)
-        try:
-            img.load()
-            return _convert_rgb(img)
-        except ImageInputError:
-            raise
-        except Exception as e:  # noqa: BLE001 - never leak a raw PIL error
-            raise ImageInputError(label, f"cannot decode the image ({type(e).__name__}: {e})",
-                                  "Check that the image data is complete and valid") from None
-
-    if isinstance(src, (bytes, bytearray, memoryview)):
-        data = bytes(src)
-        if not data:
-            raise ImageInputError(label, "image data is empty (0 bytes)", "Send the encoded image bytes")
-        fp: Any = io.BytesIO(data)
-    elif isinstance(src, (str, os.PathLike)):
-        path = Path(os.fspath(src))
-        if not path.exists():
-            raise ImageInputError(label, "file not found", "Check the path")
-        if path.is_dir():
-            raise ImageInputError(label, "is a directory, not an image file", "Pass the path of an image file")
-        try:
-            size = path.stat().st_size
-        except OSError as e:
-            raise ImageInputError(label, f"cannot stat file ({e.strerror or e})", "Check the path and permissions") from None
-        if size == 0:
-            raise ImageInputError(label, "file is empty (0 bytes)", "Re-export or re-download the image")
-        if not os.access(path, os.R_OK):
-            raise ImageInputError(label, "file is not readable (permission denied)", "Check the file permissions")
-        fp = path
-    else:
-        raise ImageInputError(label, f"unsupported image input type {type(src).__name__}",
-                              "Pass a file path, encoded image bytes or a PIL.Image")
-
-    _ensure_pil_bomb_limit(cap)
-    # PIL warns (and some plugins re-check on load) for sizes above Image.MAX_IMAGE_PIXELS >= cap:
-    # such images are refused by our own cap anyway, so the warning is silenced here instead of
-    # leaking to the log (or raising as a bare warning under `-W error`). catch_warnings is
-    # process-global state in Python 3.11; the only thing it touches is this one warning class.
-    try:
-        with warnings.catch_warnings():
-            # We apply our own (<= PIL's) cap right below, before decoding; PIL's warning is noise.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(fp)  # lazy: reads the header only
-    except Image.DecompressionBombError:
-        raise _bomb_error(label, cap) from None
-    except Image.UnidentifiedImageError:
-        raise ImageInputError(label, "not a recognised image format (corrupt or not an image)",
-                              "Send a PNG, JPEG, WebP, BMP, GIF or TIFF image") from None
-    except Exception as e:  # noqa: BLE001 - OSError (permissions, I/O), SyntaxError, ...
-        raise ImageInputError(label, f"cannot open image ({type(e).__name__}: {e})",
-                              "Check that the file is a valid image") from None
-
-    opened = img
-    rgb = None
-    w, h = img.size
-    try:
-        _check_size(label, w, h, cfg)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img.load()  # force the full decode here so truncation/corruption surfaces now
-            if img.size != (w, h):  # a few formats (ICO, EPS, ...) settle their size on load
-                _check_size(label, *img.size, cfg)
-            if exif_transpose:
-                img = ImageOps.exif_transpose(img)
-            rgb = _convert_rgb(img)
-            rgb.load()
-    except ImageInputError:
-        raise
-    except Image.DecompressionBombError:
-        raise _bomb_error(label, cap) from None
-    except MemoryError:
-        raise ImageInputError(label, f"out of memory decoding a {w}x{h} image",
-                              f"Downscale it or lower {MAX_IMAGE_PIXELS_ENV}") from None
-    except Exception as e:  # noqa: BLE001 - OSError, SyntaxError, struct.error, ValueError, ...
-        what = "truncated" if "truncat" in str(e).lower() else "corrupt"
-        raise ImageInputError(label, f"image data is {what} and cannot be decoded ({type(e).__name__}: {e})",
-                              "Re-export or re-download the image") from None
-    finally:
-        if rgb is not opened:
-            opened.close()  # releases the file handle (multi-frame formats keep it open)
-    return rgb
-
-
 def _check_size(label: str, w: int, h: int, cfg: PreprocessorConfig) -> None:
-    """Header-level checks, before any pixel is decoded."""
-    if w <= 0 or h <= 0:
-        raise ImageInputError(label, f"image has an empty size {w}x{h}", "Provide an image with at least one pixel")
-    if w * h > cfg.max_image_pixels:
-        raise ImageInputError(
-            label,
-            f"image is {w}x{h} = {_fmt_pixels(w * h)}, above the decode cap of {_fmt_pixels(cfg.max_image_pixels)} "
-            f"(refused before decoding as a possible decompression bomb)",
-            f"Downscale it before sending, or raise {MAX_IMAGE_PIXELS_ENV} / max_image_pixels if it is legitimate")
+    """The model's size rules, on the header size before decoding: smart_resize must accept it
+    (aspect ratio at most 200, as transformers)."""
     try:
         smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     except ImageInputError as e:
         raise e.with_source(label) from None
+
+
+def load_image(src: ImageSource, cfg: PreprocessorConfig | None = None, name: str | None = None, *,
+               exif_transpose: bool = True) -> Image.Image:
+    """inputs.images.load_image with this config's decode cap and size rules."""
+    cfg = cfg or PreprocessorConfig()
+    return _load_image(src, name, max_image_pixels=cfg.max_image_pixels, exif_transpose=exif_transpose,
+                       size_check=lambda label, w, h: _check_size(label, w, h, cfg))
 
 
 # --------------------------------------------------------------------------------------------
