@@ -25,7 +25,7 @@ from .ops.attention.varlen import get_backend, kernel_facts
 from .ops.paged_attention import PAGED_ATTENTION_BACKENDS, get_paged_backend
 from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
-from .sync_guard import HostSyncGuard
+from .sync_guard import HostSyncGuard, cuda_host_sync_guard
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class TorchRunner(DeviceRunner):
         if self.device.type == "cpu":
             raise RuntimeError(f"{self.name}: on the host a device->host transfer moves nothing and cannot be "
                                "seen; guard runner.sync_check_runner() instead (its device tensors live on meta)")
+        if self.device.type == "cuda":      # CUDA, and MACA builds that expose their card as cuda
+            return cuda_host_sync_guard()
         return HostSyncGuard(watch={self.device.type})
 
     def sync_check_runner(self) -> "TorchRunner":
@@ -68,6 +70,13 @@ class TorchRunner(DeviceRunner):
         return twin
 
     def memory_stats(self) -> dict:
+        """CUDA-style devices: torch's caching allocator; elsewhere: the process's peak RSS."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return {"device": str(self.device), "allocated_bytes": torch.cuda.memory_allocated(self.device),
+                    "peak_bytes": torch.cuda.max_memory_allocated(self.device),
+                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "free_bytes": free,
+                    "total_bytes": total, "kind": "torch caching allocator"}
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"device": str(self.device), "peak_bytes": peak, "kind": "host RSS (peak)"}

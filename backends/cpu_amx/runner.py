@@ -1,6 +1,6 @@
-"""Intel Xeon runner. With AMX (amx_tile + amx_bf16) it runs bf16 so oneDNN's AMX kernels do
-the matmuls; `info` shows oneDNN's verbose evidence that they ran. Without AMX it says so and
-uses the `cpu` row (fp32)."""
+"""Intel Xeon runner. The `cpu_amx` row (bf16, so oneDNN's AMX kernels do the matmuls) needs
+the AMX flags AND oneDNN's evidence that the encoder's own bf16 matmuls ran on AMX kernels
+(probe.py); otherwise the `cpu` row (fp32), with the reason in the plan."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +8,10 @@ import os
 
 import torch
 
-from fastdeploy_ext.platforms import probe_cpu
 from fastdeploy_ext.plan import CapabilityRow, Decision
 from fastdeploy_ext.torch_runner import TorchRunner
 
+from .probe import probe_cpu, probe_cpu_amx
 from .threads import configure_threads
 
 log = logging.getLogger(__name__)
@@ -22,18 +22,25 @@ class CpuAmxRunner(TorchRunner):
 
     @classmethod
     def probe(cls):
-        return probe_cpu()
+        return probe_cpu_amx()
 
     @classmethod
     def row_matches(cls, row: CapabilityRow, probe) -> bool:
         flags = set(probe.details.get("flags", ()))
-        return set(row.match.get("cpu_flags", ())) <= flags
+        if not set(row.match.get("cpu_flags", ())) <= flags:
+            return False
+        return not row.match.get("onednn_amx") or bool(probe.details.get("amx_proven"))
 
     @classmethod
     def select_row(cls, probe, table):
         row, reason = super().select_row(probe, table)
         if row.name != "cpu_amx" and not cls.forced_row:
-            reason = "this CPU has no AMX (amx_tile/amx_bf16 missing): using the cpu row"
+            if probe.details.get("has_amx"):
+                reason = f"{probe.details.get('amx_reason', 'AMX not proven by oneDNN')}: using the cpu row"
+            else:
+                reason = "this CPU has no AMX (amx_tile/amx_bf16 missing): using the cpu row"
+        elif row.name == "cpu_amx":
+            reason += f"; {probe.details.get('amx_reason', '')}"
         return row, reason
 
     @classmethod
@@ -51,6 +58,11 @@ class CpuAmxRunner(TorchRunner):
 
 
 class CpuRunner(CpuAmxRunner):
-    """`--device cpu`: the cpu_amx runner pinned to the plain `cpu` row (fp32), AMX or not."""
+    """`--device cpu`: the cpu_amx runner pinned to the plain `cpu` row (fp32), AMX or not (so
+    it needs no oneDNN evidence)."""
     name = "cpu"
     forced_row = "cpu"
+
+    @classmethod
+    def probe(cls):
+        return probe_cpu()

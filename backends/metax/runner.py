@@ -5,20 +5,20 @@ exposes the card as a `cuda` device, so the vision path is the shared torch one 
 what differs is the row: dense qkv (its SDPA is not verified to read strides), host grid_thw (as
 FastDeploy's MetaX PaddleOCR-VL runner does), graph capture opt-in only.
 
-Emulation: with no card, the conformance suite injects a fake pymxsml marked emulated; the runner
-then executes its own code and row on whatever torch device exists (the CPU here, the GPU of the
-NVIDIA test machine) and every report says "emulated".
+Emulation (``emulation()``, asked for by the conformance suite when no card is found and by
+``FD_EMULATE=metax``): a fake pymxsml mirroring MetaX's binding (fake_pymxsml.py) is installed
+for the probe; the runner then executes its own code and row on whatever torch device exists
+(the CPU here, the GPU of the NVIDIA test machine) and every report says EMULATED.
 """
 from __future__ import annotations
 
 import torch
 
-from fastdeploy_ext.platforms import probe_metax
 from fastdeploy_ext.plan import CapabilityRow
-from fastdeploy_ext.sync_guard import cuda_host_sync_guard
 from fastdeploy_ext.torch_runner import TorchRunner
 
-from ..cuda.runner import cuda_memory_stats
+from . import fake_pymxsml
+from .probe import probe_metax
 
 
 class MetaxRunner(TorchRunner):
@@ -27,6 +27,10 @@ class MetaxRunner(TorchRunner):
     @classmethod
     def probe(cls):
         return probe_metax()
+
+    @classmethod
+    def emulation(cls):
+        return fake_pymxsml.installed()
 
     @classmethod
     def row_matches(cls, row: CapabilityRow, probe) -> bool:
@@ -53,11 +57,8 @@ class MetaxRunner(TorchRunner):
             return torch.device("cpu")
         raise RuntimeError("metax: pymxsml sees a card but torch cannot reach it (is this the MACA torch build?)")
 
-    def sync_guard(self):
-        return cuda_host_sync_guard() if self.device.type == "cuda" else super().sync_guard()
-
     def memory_stats(self) -> dict:
-        stats = cuda_memory_stats(self.device) if self.device.type == "cuda" else super().memory_stats()
+        stats = super().memory_stats()
         if self.plan.emulated:
             stats["kind"] += " [EMULATED MetaX]"
         return stats

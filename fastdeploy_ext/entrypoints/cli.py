@@ -53,7 +53,6 @@ def build_runner(args, source: ModelSource | None = None):
 
 # -------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
-    from ..platforms import onednn_amx_evidence
     from ..runner import available_backends
     backends = available_backends()
     print("fastdeploy_ext info")
@@ -70,9 +69,6 @@ def cmd_info(args) -> int:
     print("probes:")
     for name, cls in sorted(backends.items()):
         print(f"  {name:<8} {cls.probe().summary()}")
-    if args.device in ("auto", "cpu_amx", "cpu"):
-        ev = onednn_amx_evidence()
-        print(f"oneDNN AMX evidence: amx_used={ev.amx_used} isa={ev.isa!r} kernels={ev.kernels} ({ev.reason})")
     from ..runner import create_runner
     try:
         runner = create_runner(plan_request_from_args(args))
