@@ -170,7 +170,8 @@ def device_here(device: str) -> tuple[bool, str]:
         except Exception as e:   # absent device, or a plan this machine cannot make
             return False, f"no {device} here: {e}"
         if device == "cpu_amx" and runner.plan.row != "cpu_amx":
-            return False, f"no AMX on this CPU (the cpu_amx runner picks row {runner.plan.row}; cpu/* covers it)"
+            return False, (f"AMX not proven here (the cpu_amx runner picks row {runner.plan.row}: "
+                           f"{runner.probe_result.details.get('amx_reason', 'no AMX flags')}; cpu/* covers it)")
         return True, f"{backend} runner on row {runner.plan.row}"
     finally:
         sys.path.remove(str(ROOT))

@@ -6,7 +6,7 @@ Today's fallbacks:
   Triton interpreter with CUDA tensors): q/k rotary and residual+LayerNorm run as ATen ops;
 * fused layers on CUDA with a torch lacking the private ``_addmm_activation``: fc1's tanh GELU
   is its own kernel instead of cuBLASLt's epilogue;
-* whatever the device probe could not find out (e.g. NVML's driver-version query failing):
+* whatever the device probe could not find out (e.g. the GPU driver-version query failing):
   the probe's ``notes``.
 
 The op that takes a fallback at run time logs the same message through ``log_once``, so a

@@ -59,12 +59,14 @@ class ProbeResult:
     driver_version: str | None = None
     details: dict = field(default_factory=dict, hash=False, compare=False)
     emulated: bool = False
+    notes: tuple[str, ...] = ()    # what the probe could not find out (also in reason); the plan's notes
 
     def to_dict(self) -> dict:
         """JSON-ready (``json.dumps(r.to_dict())``)."""
         return {"kind": self.kind, "present": self.present, "usable": self.usable, "reason": self.reason,
                 "devices": [d.to_dict() for d in self.devices], "driver_version": self.driver_version,
-                "details": jsonable(self.details), "emulated": self.emulated}
+                "details": jsonable(self.details), "emulated": self.emulated,
+                "notes": list(self.notes)}
 
     def summary(self) -> str:
         """One line: state, then the reason (which names the devices)."""

@@ -324,3 +324,14 @@ def test_parse_verbose_timestamps_interleaved_and_empty():
     assert ev.amx_used and ev.kernels == ["brg_matmul:avx10_1_512_amx"] and ev.isa == ""
     ev = parse_onednn_verbose("")
     assert not ev.amx_used and ev.kernels == [] and "no oneDNN verbose output" in ev.reason
+
+
+def test_what_the_probe_could_not_find_out_reaches_the_plans_notes(tmp_path, monkeypatch):
+    fake = types.ModuleType("cpuinfo")
+    fake.get_cpu_info = lambda: {"flags": ["avx2"], "brand_raw": "Fake EPYC"}
+    monkeypatch.setitem(sys.modules, "cpuinfo", fake)
+    probe = probe_cpu(cpuinfo_path=str(tmp_path / "missing"))
+    assert len(probe.notes) == 1 and "unreadable" in probe.notes[0]
+    from backends.cpu_amx import CpuRunner
+    plan = CpuRunner.create(PlanRequest(device="cpu"), probe=probe).plan
+    assert f"probe: {probe.notes[0]}" in plan.notes

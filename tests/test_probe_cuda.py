@@ -102,6 +102,7 @@ def test_nvml_zero_gpus_and_partial_failures():
     r = probe_nvidia(nvml_module=nvml, torch_module=fake_torch(True))
     assert r.present and r.devices[0].compute_capability is None and r.devices[0].family == "cuda"
     assert "Not Supported" in r.reason
+    assert r.notes == ("GPU 0 compute capability unknown (FakeNVMLError: Not Supported)",)
     assert nvml.calls[-1] == "shutdown"
 
 

@@ -91,6 +91,7 @@ def test_raw_status_codes_are_named_and_version_failures_are_notes():
     r = probe_metax(mxsml_module=mx, torch_module=fake_torch(True))
     assert r.present and r.driver_version is None
     assert "MACA version unknown" in r.reason and "status 10 (Insufficient size)" in r.reason
+    assert len(r.notes) == 1 and r.notes[0].startswith("MACA version unknown")
 
 
 def test_a_failing_api_falls_back_to_the_other_and_both_failing_names_both():

@@ -208,7 +208,7 @@ def _probe_cpu(cpuinfo_text: str | None, cpuinfo_path: str) -> ProbeResult:
     reason = f"{model} [{family}], {cores} CPUs: {isa}; {torch_txt}"
     if notes:
         reason += "; " + "; ".join(notes)
-    return ProbeResult("cpu", True, True, reason, (dev,), None, details)
+    return ProbeResult("cpu", True, True, reason, (dev,), None, details, notes=tuple(notes))
 
 
 _VERBOSE_MARKERS = ("onednn_verbose", "dnnl_verbose")

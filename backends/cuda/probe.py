@@ -116,4 +116,5 @@ def _probe_nvidia(nvml, torch_module) -> ProbeResult:
             why = (f"but torch {tv['torch_version']} (CUDA {tv['torch_cuda_version']}) cannot use CUDA "
                    "(torch.cuda.is_available() is False: driver too old for this build, or CUDA_VISIBLE_DEVICES "
                    "hides every GPU?)")
-    return ProbeResult("cuda", True, usable, f"{head}; {why}{note_txt}", tuple(devices), driver, details)
+    return ProbeResult("cuda", True, usable, f"{head}; {why}{note_txt}", tuple(devices), driver, details,
+                       notes=tuple(notes))

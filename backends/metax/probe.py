@@ -224,4 +224,5 @@ def _result(devices, driver, api, notes, emulated, tag, torch_module) -> ProbeRe
         usable = False
         why = (f"but torch {tv['torch_version']} cannot reach it (torch.cuda.is_available() is False: "
                "not the MACA torch build?)" + (f"; {tv['torch_error']}" if "torch_error" in tv else ""))
-    return ProbeResult("metax", True, usable, f"{head}; {why}{note_txt}", tuple(devices), driver, details, emulated)
+    return ProbeResult("metax", True, usable, f"{head}; {why}{note_txt}", tuple(devices), driver, details, emulated,
+                       notes=tuple(notes))
