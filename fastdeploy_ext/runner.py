@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 import torch
 
@@ -174,6 +174,11 @@ class DeviceRunner(ABC):
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> GraphReport:
         """Capture the decode batch-size buckets the plan asks for (after init_kv_cache);
         execute() then replays them for decode steps. A no-op report when the plan says off."""
+
+    def utilization_reader(self) -> "Callable[[], float] | None":
+        """A callable returning the device's current busy % (sampled by benchmarks), or None when
+        the backend cannot tell. Backends implement it with their vendor's management library."""
+        return None
 
     @abstractmethod
     def memory_stats(self) -> dict:

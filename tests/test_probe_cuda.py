@@ -123,3 +123,20 @@ def test_real_nvidia_probe_here_answers():
 def test_metax_nvml_shim_devices_are_left_to_the_metax_probe():
     r = probe_nvidia(nvml_module=FakeNVML(n=1, name="MetaX C500"), torch_module=fake_torch(True))
     assert not r.present and "MetaX NVML shim" in r.reason
+
+
+def test_nvml_utilization_reader_for_benchmarks():
+    from backends.cuda.probe import nvml_utilization_reader
+    nvml = FakeNVML(n=1)
+    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87 if h == ("handle", 0) else -1, memory=3)
+    read = nvml_utilization_reader(0, nvml_module=nvml)
+    assert read() == 87 and nvml.calls == ["init"]
+    assert nvml_utilization_reader(0, nvml_module=FakeNVML(init_error=FakeNVMLError("Driver Not Loaded"))) is None
+    from fastdeploy_ext.bench.generate import GpuBusySampler
+    with GpuBusySampler(read, period_s=0.001) as s:
+        while not s.samples:
+            pass
+    assert s.busy_pct == 87
+    with GpuBusySampler(None) as s:
+        pass
+    assert s.busy_pct is None

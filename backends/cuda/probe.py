@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastdeploy_ext.platforms import (DeviceInfo, ProbeResult, c_text, devices_text, error_text, import_quietly,
                                       torch_cuda_view)
 
-__all__ = ["cuda_family", "probe_nvidia"]
+__all__ = ["cuda_family", "nvml_utilization_reader", "probe_nvidia"]
 
 
 def cuda_family(cc: tuple[int, int] | None) -> str:
@@ -118,3 +118,17 @@ def _probe_nvidia(nvml, torch_module) -> ProbeResult:
                    "hides every GPU?)")
     return ProbeResult("cuda", True, usable, f"{head}; {why}{note_txt}", tuple(devices), driver, details,
                        notes=tuple(notes))
+
+
+def nvml_utilization_reader(index: int, nvml_module=None):
+    """A callable returning GPU ``index``'s utilization.gpu (%), or None with the reason logged
+    when NVML cannot be used (benchmarks then report no busy %)."""
+    import logging
+    try:
+        nvml = nvml_module if nvml_module is not None else import_quietly("pynvml")
+        nvml.nvmlInit()
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as e:
+        logging.getLogger(__name__).info("GPU busy %%: NVML unavailable (%s)", error_text(e))
+        return None
+    return lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu

@@ -8,7 +8,7 @@ import torch
 from fastdeploy_ext.plan import CapabilityRow
 from fastdeploy_ext.torch_runner import TorchRunner
 
-from .probe import probe_nvidia
+from .probe import nvml_utilization_reader, probe_nvidia
 
 
 class CudaRunner(TorchRunner):
@@ -30,3 +30,6 @@ class CudaRunner(TorchRunner):
             raise RuntimeError(f"cuda: NVML sees {len(probe.devices)} GPU(s) but this torch build cannot use CUDA "
                                f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda})")
         return torch.device("cuda", 0)
+
+    def utilization_reader(self):
+        return nvml_utilization_reader(self.device.index or 0)

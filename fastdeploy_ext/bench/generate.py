@@ -7,7 +7,7 @@ Workloads (greedy, ignore_eos, "OCR:"):
 - pages64: N different 1080p pages x exactly T new tokens: pages/s and output tokens/s (the
   reference runs a subset at batch --ref-batch; compared per page);
 - lines256: N text-line crops x 64 tokens.
-Also reported: GPU busy % (NVML utilization sampled through each of our runs), peak device
+Also reported: GPU busy % (the backend's utilization reader sampled through each of our runs), peak device
 memory, and whether the reference produced the same tokens (fp32 only; bf16 batching changes
 reduction order). On CPU the defaults shrink to the tiny-model scale: page1 and 16 lines.
 """
@@ -108,37 +108,30 @@ def bench_params(tokens: int) -> SamplingParams:
 
 # ------------------------------------------------------------------ measuring
 class GpuBusySampler:
-    """Mean NVML utilization.gpu (the share of time a kernel ran, per NVML sample period) while
-    running; None where NVML is absent (CPU)."""
+    """Mean device utilization (% of time a kernel ran, per sample of the vendor's management
+    library) while running, from ``DeviceRunner.utilization_reader()``; None where the backend
+    cannot tell (CPU)."""
 
-    def __init__(self, device: torch.device, period_s: float = 0.02):
+    def __init__(self, read_pct, period_s: float = 0.02):
         self.samples: list[int] = []
         self.period = period_s
         self._stop = threading.Event()
-        self._handle = None
-        if device.type == "cuda":
-            try:
-                import pynvml
-                pynvml.nvmlInit()
-                idx = device.index if device.index is not None else torch.cuda.current_device()
-                self._handle, self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx), pynvml
-            except Exception as e:     # no NVML: say so in the report instead of guessing
-                log.info("GPU busy %%: NVML unavailable (%s)", e)
+        self._read = read_pct
 
     def __enter__(self):
-        if self._handle is not None:
+        if self._read is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
 
     def _run(self):
         while not self._stop.is_set():
-            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self.samples.append(self._read())
             time.sleep(self.period)
 
     def __exit__(self, *exc):
         self._stop.set()
-        if self._handle is not None:
+        if self._read is not None:
             self._thread.join()
 
     @property
@@ -172,7 +165,7 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     params = bench_params(tokens)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(images))]
     done, first = {}, None
-    with GpuBusySampler(device) as gpu:
+    with GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
         t0 = time.perf_counter()
         for rid, png in zip(ids, images):
             engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
