@@ -91,7 +91,7 @@ if [[ " $steps " == *" amx "* ]]; then
   for dt in ${AMX_DTYPES:-bfloat16 float32}; do
     echo "### bench vision --device cpu_amx --dtype $dt" >> "$OUT/amx.txt"
     timeout ${AMX_TIMEOUT:-150} $FDX bench vision --device cpu_amx --dtype $dt \
-      --workloads ${AMX_WORKLOADS:-img1536,block8x40} --variants ${AMX_VARIANTS:-strided/host/eager,dense/host/eager} \
+      --workloads ${AMX_WORKLOADS:-img1536,block8x40} --variants ${AMX_VARIANTS:-strided/host/eager,dense/device/eager} \
       --iters 3 --warmup 1 >> "$OUT/amx.txt" 2>&1 || rc=1
   done
   echo "### bench gemm --device cpu_amx" >> "$OUT/amx.txt"

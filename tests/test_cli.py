@@ -155,13 +155,14 @@ def test_image_above_the_pixel_cap_is_refused_before_decoding(tiny_dirs, png_fil
     assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_bench_preprocess_reports_rates_and_bitwise_parity(tmp_path):
+def test_bench_preprocess_reports_rates_and_bitwise_parity(tmp_path, capsys):
     """`bench preprocess` on small images: ours at 1 and 2 workers, the PIL reference, torchvision
     said unavailable when it cannot be imported; our first image is bitwise equal to the PIL one."""
+    from fastdeploy_ext.entrypoints.cli import main
     out = tmp_path / "pre.json"
-    r = cli("bench", "preprocess", "--images", "2", "--size", "100x150", "--workers", "1,2", "--iters", "1",
-            "--warmup", "0", "--json-out", out)
-    assert "bitwise_equal_pil: True" in r.stdout
+    assert main(["bench", "preprocess", "--images", "2", "--size", "100x150", "--workers", "1,2", "--iters", "1",
+                 "--warmup", "0", "--json-out", str(out)]) == 0
+    assert "bitwise_equal_pil: True" in capsys.readouterr().out
     d = json.loads(out.read_text())
     assert d["bitwise_equal_pil"] is True and d["images"] == 2 and d["size"] == [100, 150]
     ours = {(x["mode"], x["workers"]) for x in d["rows"] if x["processor"] == "ours"}
@@ -177,9 +178,20 @@ def test_bench_preprocess_reports_rates_and_bitwise_parity(tmp_path):
         assert any(x.get("workers") == 1 for x in tv)
 
 
-@pytest.mark.parametrize("flags,match", [(["--size", "10x"], "--size must be HxW"),
-                                         (["--workers", "1,0"], "--workers must be positive"),
-                                         (["--images", "0"], "--images and --iters")])
-def test_bench_preprocess_bad_flags(flags, match):
-    r = cli("bench", "preprocess", "--no-reference", *flags, check=False)
-    assert r.returncode == 2 and match in r.stderr
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "preprocess", "--no-reference", "--size", "10x"], "--size must be HxW"),
+    (["bench", "preprocess", "--no-reference", "--workers", "1,0"], "--workers must be positive"),
+    (["bench", "preprocess", "--no-reference", "--images", "0"], "--images and --iters"),
+    # a misspelt variant among valid ones used to be dropped silently (a row went missing)
+    (["bench", "vision", "--device", "cpu", "--variants", "strided/host/eager,dense/host/eager"],
+     "unknown variants ['dense/host/eager']"),
+    (["bench", "vision", "--device", "cpu", "--workloads", "page,scan,pages4,img1536,nope"],
+     "unknown workloads ['nope']"),
+    (["bench", "gemm", "--tokens", "0"], "--tokens must be positive"),
+    (["bench", "gemm", "--workload", "nope"], "unknown workload 'nope'"),
+])
+def test_bench_bad_flags_in_process(argv, match, capsys):
+    """In-process (no interpreter start per case): exit status 2 and one clear line."""
+    from fastdeploy_ext.entrypoints.cli import main
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err

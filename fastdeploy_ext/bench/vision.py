@@ -128,7 +128,11 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise BenchError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
-    variants = VARIANTS if opts.variants == "all" else tuple(v for v in VARIANTS if v.name in opts.variants.split(","))
+    names = [n.strip() for n in opts.variants.split(",") if n.strip()]
+    unknown_v = [n for n in names if opts.variants != "all" and n not in {v.name for v in VARIANTS}]
+    if unknown_v:   # a misspelt name must not silently drop a row (the amx step once asked for one)
+        raise BenchError(f"unknown variants {unknown_v}; known: {', '.join(v.name for v in VARIANTS)}")
+    variants = VARIANTS if opts.variants == "all" else tuple(v for v in VARIANTS if v.name in names)
     if not variants:
         raise BenchError(f"no variant matches {opts.variants!r}; known: {', '.join(v.name for v in VARIANTS)}")
     cls, probe, why = choose_device(base.device)
