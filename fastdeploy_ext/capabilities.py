@@ -41,7 +41,7 @@ Schema (one entry under ``rows:`` per device family)::
 (``attention`` entries name backends of ``fastdeploy_ext/ops/attention/varlen.py``, whose
 objects own their kernel facts (strided reads, head dims, graph safety); a row gives the dtypes
 and may only narrow strided reads with ``reads_strides: false``. ``text_attention``
-entries name backends of ``fastdeploy_ext/ops/paged_attention.py``; ``graph_safe`` there means
+entries name backends of ``fastdeploy_ext/ops/attention/paged.py``; ``graph_safe`` there means
 the decode can be captured, which the `decoder` graph kind needs.)
 
 API: :func:`capability_table` (the assembled table), :func:`shipped_rows` (one backend's rows).

@@ -25,9 +25,9 @@ class PlanError(ValueError):
 # ----------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class AttentionEntry:
-    """One attention backend of a row: the row's dtypes for it, and optionally
-    ``reads_strides: false`` where strided loads are not verified on this device (a row can
-    only narrow what the backend object says of its kernel, never widen it)."""
+    """One attention backend of a row: the row's dtypes for it, and optionally ``reads_strides``:
+    false where strided loads are not verified on this device. A row can only narrow what the
+    backend object says of its kernel: strided reads need both to say so."""
     backend: str
     dtypes: tuple[str, ...]
     reads_strides: bool | None = None      # None: the backend's own fact
@@ -46,7 +46,7 @@ class KernelFacts:
 
 @dataclass(frozen=True)
 class TextAttentionEntry:
-    """A paged attention backend of the text decoder (ops/paged_attention.py)."""
+    """A paged attention backend of the text decoder (ops/attention/paged.py)."""
     backend: str
     head_dims: tuple[int, int]
     dtypes: tuple[str, ...]
@@ -80,12 +80,12 @@ class CapabilityRow:
         att = []
         for a in d["attention"]:
             unknown = set(a) - {"backend", "dtypes", "reads_strides"}
-            if unknown:     # kernel facts (head dims, graph safety) live on the backend objects
-                raise ValueError(f"row {name}: attention entry {a.get('backend')!r} has unknown keys {sorted(unknown)}")
-            if a.get("reads_strides", False):
-                raise ValueError(f"row {name}: {a['backend']}: reads_strides can only be false (a row narrows "
-                                 "the backend's own fact)")
-            att.append(AttentionEntry(a["backend"], tuple(a["dtypes"]), a.get("reads_strides")))
+            if unknown:
+                raise ValueError(f"row {name}: attention entry {a.get('backend')!r} has unknown keys {sorted(unknown)} "
+                                 "(a row gives backend, dtypes and optionally reads_strides; head dims and graph "
+                                 "safety are the backend object's own facts, fastdeploy_ext/ops/attention/varlen.py)")
+            strided = a.get("reads_strides")
+            att.append(AttentionEntry(a["backend"], tuple(a["dtypes"]), None if strided is None else bool(strided)))
         return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"], tuple(att),
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
                    bool(d.get("fused_layers", {}).get("supported", False)),
@@ -471,7 +471,7 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     if text_available is None:
         import torch
 
-        from .ops.paged_attention import PAGED_ATTENTION_BACKENDS
+        from .ops.attention.paged import PAGED_ATTENTION_BACKENDS
         try:
             dev = torch.device(device)
         except RuntimeError:      # a device name torch does not know: only the portable backend

@@ -15,7 +15,7 @@ import torch
 
 from .engine.step import KVCacheSpec, StepBatch
 from .models.paddleocr_vl.text import ErnieTextModel
-from .ops.paged_attention import KVCache, PagedAttentionBackend, PagedStepMeta
+from .ops.attention.paged import KVCache, PagedAttentionBackend, PagedStepMeta
 
 log = logging.getLogger(__name__)
 

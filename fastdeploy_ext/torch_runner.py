@@ -22,7 +22,7 @@ from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMet
 from .models.paddleocr_vl.vision import VisionExecution
 from .capabilities import capability_table
 from .ops.attention.varlen import get_backend, kernel_facts
-from .ops.paged_attention import PAGED_ATTENTION_BACKENDS, get_paged_backend
+from .ops.attention.paged import PAGED_ATTENTION_BACKENDS, get_paged_backend
 from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard, cuda_host_sync_guard

@@ -12,7 +12,7 @@ from fastdeploy_ext.engine.step import SeqStep, StepBatch
 from fastdeploy_ext.models.paddleocr_vl.config import TextConfig
 from fastdeploy_ext.models.paddleocr_vl.text import ErnieTextModel
 from fastdeploy_ext.ops.triton import runtime as ta
-from fastdeploy_ext.ops.paged_attention import PAGED_ATTENTION_BACKENDS
+from fastdeploy_ext.ops.attention.paged import PAGED_ATTENTION_BACKENDS
 from fastdeploy_ext.text_runner import DecodeGraphs, TextStepRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or ta.TRITON_INTERPRETED,

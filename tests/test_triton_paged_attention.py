@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from fastdeploy_ext.ops.triton import runtime as ta
-from fastdeploy_ext.ops.paged_attention import KVCache, PagedStepMeta, sdpa_decode, sdpa_prefill
+from fastdeploy_ext.ops.attention.paged import KVCache, PagedStepMeta, sdpa_decode, sdpa_prefill
 
 _REPO = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not ta.TRITON_INTERPRETED,
@@ -153,7 +153,7 @@ def test_interp_text_runner_with_triton_paged_equals_sdpa_paged():
     from fastdeploy_ext.engine.step import SeqStep, StepBatch
     from fastdeploy_ext.models.paddleocr_vl.config import TextConfig
     from fastdeploy_ext.models.paddleocr_vl.text import ErnieTextModel
-    from fastdeploy_ext.ops.paged_attention import PAGED_ATTENTION_BACKENDS
+    from fastdeploy_ext.ops.attention.paged import PAGED_ATTENTION_BACKENDS
     from fastdeploy_ext.text_runner import TextStepRunner
     cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=50, mrope_section=(4, 6, 6))
@@ -227,7 +227,7 @@ def test_interp_fused_decoder_equals_aten_decoder():
     from fastdeploy_ext.engine.step import SeqStep, StepBatch
     from fastdeploy_ext.models.paddleocr_vl.config import TextConfig
     from fastdeploy_ext.models.paddleocr_vl.text import ErnieTextModel
-    from fastdeploy_ext.ops.paged_attention import PAGED_ATTENTION_BACKENDS
+    from fastdeploy_ext.ops.attention.paged import PAGED_ATTENTION_BACKENDS
     from fastdeploy_ext.text_runner import TextStepRunner
     cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=50, mrope_section=(4, 6, 6))

@@ -135,17 +135,17 @@ def _always(device: torch.device) -> tuple[bool, str]:
 def _triton_available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"Triton kernels need a CUDA device, have {device.type}"
-    from .triton.runtime import triton_available
+    from ..triton.runtime import triton_available
     return triton_available()
 
 
 def _triton_prefill(q, kc, vc, meta, scale):
-    from .triton.paged_attention import paged_prefill
+    from ..triton.paged_attention import paged_prefill
     return paged_prefill(q, kc, vc, meta.block_tables, meta.cu_query, meta.context_lens, meta.max_query_len, scale)
 
 
 def _triton_decode(q, kc, vc, meta, scale):
-    from .triton.paged_attention import paged_decode
+    from ..triton.paged_attention import paged_decode
     return paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, scale,
                         max_context_len=meta.extras.get("graph_max_context", meta.max_context_len))
 
