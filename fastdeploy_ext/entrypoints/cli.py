@@ -243,10 +243,21 @@ def build_parser():
     bg = command_parser(bsub, "gemm", "GEMM ceiling on the encoder's shapes vs the encoder's own GEMM rate")
     gemm_bench.add_arguments(bg)
     bg.set_defaults(func=gemm_bench.run_cli)
+
+    # listed here for --help; main() hands `serve` to the api_server module (one code path,
+    # which also expands --config FILE.yaml before parsing)
+    from .openai.cli_args import add_serve_arguments
+    srv = command_parser(sub, "serve", "OpenAI-compatible server (FastDeploy-style flags; "
+                                       "same as python -m fastdeploy_ext.entrypoints.openai.api_server)")
+    add_serve_arguments(srv)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from .openai.api_server import main as serve_main
+        return serve_main(argv[1:], prog="fastdeploy-ext serve")
     setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,0 +1,383 @@
+"""`fastdeploy-ext serve` == `python -m fastdeploy_ext.entrypoints.openai.api_server`.
+
+Start-up: parse flags (FastDeploy's names, ours, ``--config FILE.yaml``), log the resolved
+configuration, listen at once (``/health`` says 503 until the engine can run a step), start the
+engine in the background, watch it (if the step loop dies, ``/health`` turns 503 and the
+process exits 1 rather than hanging).
+SIGTERM drains: new API requests get 503, running and queued ones finish, then exit 0. A
+second SIGTERM, or SIGINT, stops at once (uvicorn's shutdown)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ... import envs
+from .. import args as shared_args
+from ..args import CliError
+from . import cli_args, protocol
+from .errors import APIError
+from .media import MediaFetcher, MediaPolicy
+from .metrics import ServerMetrics
+from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected
+
+log = logging.getLogger("fastdeploy_ext.server")
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# outcome label per refusal status, for fastdeploy_ext:requests_total
+_STATUS_LABEL = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full",
+                 503: "unavailable", 504: "timeout"}
+
+
+@dataclass
+class ServerState:
+    config: cli_args.ServerConfig
+    engine: Any
+    metrics: ServerMetrics
+    chat: ChatHandler
+    max_model_len: int | None
+    model_root: str
+    draining: bool = False
+    engine_started: bool = False
+    engine_failed: str | None = None       # why the engine cannot serve (start failure or dead loop)
+    exit_code: int = 0
+    server: uvicorn.Server | None = None
+    tasks: list = field(default_factory=list)
+
+    def stats(self):
+        return self.engine.stats() if self.engine_started else None
+
+    def request_exit(self, code: int) -> None:
+        self.exit_code = max(self.exit_code, code)
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+# ------------------------------------------------------------------ ASGI gate
+class Gate:
+    """Before any /v1 route runs: 503 while draining, 401 without the API key, 413 for a body
+    over the limit (Content-Length first; otherwise counted while reading, the body is then
+    replayed to the app). Pure ASGI so an oversized body is never buffered past the limit."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        st, cfg = self.state, self.state.config
+        if st.draining:
+            return await self._refuse(scope, receive, send, APIError(
+                503, "the server is shutting down (draining); retry on another replica", code="draining"))
+        if cfg.api_key is not None:
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+                return await self._refuse(scope, receive, send, APIError(
+                    401, "missing or wrong API key (send `Authorization: Bearer <key>`)", code="invalid_api_key"))
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = cfg.max_body_bytes
+        too_large = APIError(413, f"request body is larger than {limit} bytes (--max-request-body-bytes)",
+                             code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(scope, receive, send, too_large)
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if len(body) > limit:
+                return await self._refuse(scope, receive, send, too_large)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, err: APIError):
+        self.state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        # the body may be unread: close the connection rather than parse its rest as a request
+        await err.response(headers={"Connection": "close"})(scope, receive, send)
+
+
+class DisconnectAwareSSE(StreamingResponse):
+    """Streams while listening for the client's disconnect whatever the ASGI spec version, and
+    always closes the body iterator (whose `finally` aborts the engine request)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:        # the client went away mid-send
+                        pass
+                    tg.cancel_scope.cancel()
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+# ------------------------------------------------------------------ app
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        state.tasks.append(asyncio.create_task(_start_engine(state)))
+        yield
+        for t in state.tasks:
+            t.cancel()
+        await state.chat.ctx.fetcher.aclose()
+        if state.engine_started:
+            try:
+                await state.engine.shutdown(drain=False)
+            except Exception:  # noqa: BLE001 - shutting down anyway; say what failed
+                log.exception("engine shutdown failed")
+
+    app = FastAPI(title="fastdeploy_ext OpenAI-compatible server", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        if err.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        state.metrics.outcome("error")
+        return APIError(500, f"internal error ({type(exc).__name__}: {exc})", code="internal_error").response()
+
+    @app.get("/health")
+    async def health():
+        if state.engine_failed:
+            return JSONResponse({"status": "dead", "reason": state.engine_failed}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not (state.engine_started and state.engine.ready):
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=PROMETHEUS_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.model_list(list(state.config.served_model_names), state.model_root, state.max_model_len)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        if state.engine_failed:
+            raise APIError(503, f"the engine is not running: {state.engine_failed}", code="engine_dead")
+        if not (state.engine_started and state.engine.ready):
+            raise APIError(503, "the engine is still starting; poll /health", code="loading")
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            result = await state.chat.create(body, disconnected)
+        except _Disconnected:
+            state.metrics.outcome("cancelled")
+            return Response(status_code=499)     # nobody reads it; the request is aborted
+        finally:
+            disconnected.cancel()
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return DisconnectAwareSSE(result, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return Gate(app, state)
+
+
+# ------------------------------------------------------------------ lifecycle
+async def _start_engine(state: ServerState) -> None:
+    try:
+        await state.engine.start()
+    except Exception as e:  # noqa: BLE001 - any start failure: say why, exit non-zero
+        log.exception("engine start failed")
+        state.engine_failed = f"start failed: {type(e).__name__}: {e}"
+        state.request_exit(1)
+        return
+    state.engine_started = True
+    state.chat.ctx.logprob_formatter = LogprobFormatter(getattr(state.engine, "tokenizer", None))
+    log.info("engine ready: serving %s on http://%s:%d", ", ".join(state.config.served_model_names),
+             state.config.host, state.config.port)
+    await _watchdog(state)
+
+
+async def _watchdog(state: ServerState, period: float = 0.25) -> None:
+    """If the step loop dies, /health turns 503 and the process exits 1 (never hangs half-alive)."""
+    while True:
+        await asyncio.sleep(period)
+        if not state.engine.healthy:
+            state.engine_failed = f"engine loop died: {state.engine.error}"
+            log.error("%s; exiting with status 1", state.engine_failed)
+            await asyncio.sleep(2 * period)      # let a health probe see the 503
+            state.request_exit(1)
+            return
+
+
+async def _drain(state: ServerState) -> None:
+    ctx = state.chat.ctx
+    log.info("SIGTERM: draining %d request(s) in flight; new requests get 503", ctx.inflight)
+    await ctx.idle.wait()
+    if state.engine_started:
+        await state.engine.shutdown(drain=True)
+        state.engine_started = False
+    log.info("drained; exiting")
+    state.request_exit(0)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains instead of closing the listener."""
+
+    def __init__(self, config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(lambda: self.state.tasks.append(
+                asyncio.ensure_future(_drain(self.state))))
+            return
+        super().handle_exit(sig, frame)
+
+
+# ------------------------------------------------------------------ flags -> objects
+def build_parser(prog: str = "fastdeploy-ext serve") -> argparse.ArgumentParser:
+    p = shared_args.root_parser(prog, "OpenAI-compatible server (FastDeploy-style flags)")
+    cli_args.add_serve_arguments(p)
+    return p
+
+
+def _metrics_app(state: ServerState):
+    """The --metrics-port app: /metrics only (lifespan off; the main app owns the engine)."""
+    async def app(scope, receive, send):
+        if scope["path"] == "/metrics":
+            resp = Response(state.metrics.render(), media_type=PROMETHEUS_TYPE)
+        else:
+            resp = APIError(404, f"{scope['path']}: only /metrics is served on this port").response()
+        await resp(scope, receive, send)
+    return app
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """Everything after flag parsing; shared by both entry points."""
+    cli_args.notice_ignored_flags(ns)
+    source = shared_args.model_source_from_args(ns)
+    engine_config = shared_args.engine_config_from_args(ns)
+    config = cli_args.server_config_from_args(ns, default_model_name=source.model or "dummy")
+    enable_max_prefill = envs.FD_ENABLE_MAX_PREFILL.get()
+    log.info("FD_ENABLE_MAX_PREFILL=%d (%s)", int(enable_max_prefill),
+             "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
+             else "per-request image encoding, chunked prefill")
+    log.info("server: host=%s port=%d metrics_port=%s served_model_names=%s api_key=%s request_timeout=%gs "
+             "max_concurrency=%d max_request_body_bytes=%d allowed_local_media_path=%s",
+             config.host, config.port, config.metrics_port, list(config.served_model_names),
+             "set" if config.api_key else "off", config.request_timeout, config.max_concurrency,
+             config.max_body_bytes, config.allowed_local_media_path)
+    from ...engine.async_engine import AsyncLLMEngine
+    engine = AsyncLLMEngine(engine_config)
+    metrics_holder: list[ServerState] = []
+    metrics = ServerMetrics(lambda: metrics_holder[0].stats() if metrics_holder else None,
+                            config.served_model_names[0])
+    fetcher = MediaFetcher(MediaPolicy(config.max_body_bytes, config.media_fetch_timeout,
+                                       config.allowed_local_media_path))
+    ctx = ChatContext(engine=engine, metrics=metrics, fetcher=fetcher, served_names=config.served_model_names,
+                      request_timeout=config.request_timeout, max_concurrency=config.max_concurrency,
+                      repetition_guard=config.repetition_guard)
+    state = ServerState(config=config, engine=engine, metrics=metrics, chat=ChatHandler(ctx),
+                        max_model_len=getattr(engine_config, "max_model_len", None),
+                        model_root=source.model or "dummy")
+    metrics_holder.append(state)
+    return asyncio.run(_serve(state))
+
+
+async def _serve(state: ServerState) -> int:
+    cfg = state.config
+    uv = dict(log_level=cfg.log_level, timeout_graceful_shutdown=5, access_log=False)
+    server = _Server(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, lifespan="on", **uv), state)
+    state.server = server
+    metrics_server = None
+    if cfg.metrics_port is not None:
+        metrics_server = uvicorn.Server(uvicorn.Config(_metrics_app(state), host=cfg.host, port=cfg.metrics_port,
+                                                       lifespan="off", **uv))
+        metrics_server.capture_signals = contextlib.nullcontext      # the main server owns the signals
+        metrics_task = asyncio.create_task(metrics_server.serve())
+    await server.serve()
+    if metrics_server is not None:
+        metrics_server.should_exit = True
+        await metrics_task
+    if not server.started and state.exit_code == 0:
+        state.exit_code = 1                     # e.g. the port was taken (uvicorn logged why)
+    log.info("server exited with status %d", state.exit_code)
+    return state.exit_code
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m fastdeploy_ext.entrypoints.openai.api_server") -> int:
+    from ..cli import setup_logging
+    setup_logging()
+    parser = build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(cli_args.expand_config_file(parser, argv))
+    return serve_from_namespace(ns, prog)
+
+
+def serve_from_namespace(ns: argparse.Namespace, prog: str = "fastdeploy-ext serve") -> int:
+    try:
+        return run_server(ns)
+    except CliError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
