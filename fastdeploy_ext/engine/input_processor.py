@@ -8,6 +8,7 @@ the request is queued.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,11 +103,39 @@ class InputLimits:
     max_model_len: int
 
 
+MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")   # vLLM's per-request processor overrides we honour
+
+
 class InputProcessor:
     def __init__(self, builder: PromptBuilder, image_processor, limits: InputLimits):
         self.builder = builder
         self.image_processor = image_processor
         self.limits = limits
+        self._overridden: dict[tuple, Any] = {}   # (min_pixels, max_pixels) -> processor, a few at most
+
+    def _processor_for(self, kwargs: Any):
+        """The image processor for a request's ``mm_processor_kwargs`` (min/max_pixels bound the
+        resize, as in vLLM); the default one when there are none."""
+        if not kwargs:
+            return self.image_processor
+        if not isinstance(kwargs, dict) or set(kwargs) - set(MM_PROCESSOR_KWARGS):
+            bad = sorted(set(kwargs) - set(MM_PROCESSOR_KWARGS)) if isinstance(kwargs, dict) else kwargs
+            raise InvalidRequest(f"mm_processor_kwargs: unsupported {bad!r} (supported: {', '.join(MM_PROCESSOR_KWARGS)})")
+        for k, v in kwargs.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidRequest(f"mm_processor_kwargs.{k} must be a positive integer, got {v!r}")
+        cfg = self.image_processor.cfg
+        key = (kwargs.get("min_pixels", cfg.min_pixels), kwargs.get("max_pixels", cfg.max_pixels))
+        proc = self._overridden.get(key)
+        if proc is None:
+            try:
+                proc = type(self.image_processor)(dataclasses.replace(cfg, min_pixels=key[0], max_pixels=key[1]))
+            except ValueError as e:       # e.g. min_pixels > max_pixels
+                raise InvalidRequest(f"mm_processor_kwargs: {e}") from None
+            if len(self._overridden) >= 16:          # bounded: clients choose these values
+                self._overridden.pop(next(iter(self._overridden)))
+            self._overridden[key] = proc
+        return proc
 
     def process(self, prompt: dict) -> ProcessedPrompt:
         """prompt: {"messages": [...]} or {"prompt": str, "images" | "multi_modal_data": ...}."""
@@ -133,13 +162,14 @@ class InputProcessor:
                          + [{"type": "text", "text": prompt_text}]}]
         else:
             raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
+        image_processor = self._processor_for(prompt.get("mm_processor_kwargs"))
         lim = self.limits
         if len(images) > lim.max_images:
             raise InvalidRequest(f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {lim.max_images}")
         processed = []
         for k, src in enumerate(images):
             try:
-                processed.append(self.image_processor.preprocess(src))
+                processed.append(image_processor.preprocess(src))
             except ValueError as e:       # ImageInputError names the source and the problem
                 raise InvalidRequest(f"image {k}: {e}") from None
         for k, im in enumerate(processed):
@@ -155,7 +185,7 @@ class InputProcessor:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; --max-model-len {lim.max_model_len} leaves no "
                                  "room for output")
         offsets = _image_offsets(ids, self.builder.image_token_id)
-        m2 = self.image_processor.cfg.merge_size ** 2
+        m2 = image_processor.cfg.merge_size ** 2
         if len(offsets) != len(processed) or any(
                 n != im.num_patches // m2 for (_, n), im in zip(offsets, processed)):
             raise InvalidRequest(f"the prompt has {len(offsets)} image placeholder runs for {len(processed)} images")

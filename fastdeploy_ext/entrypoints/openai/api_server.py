@@ -313,8 +313,8 @@ def run_server(ns: argparse.Namespace) -> int:
     """Everything after flag parsing; shared by both entry points."""
     cli_args.notice_ignored_flags(ns)
     source = shared_args.model_source_from_args(ns)
-    engine_config = shared_args.engine_config_from_args(ns)
-    config = cli_args.server_config_from_args(ns, default_model_name=source.model or "dummy")
+    engine_config = shared_args.engine_config_from_args(ns, source, shared_args.plan_request_from_args(ns))
+    config = cli_args.server_config_from_args(ns, default_model_name=source.model_dir or "dummy")
     enable_max_prefill = envs.FD_ENABLE_MAX_PREFILL.get()
     log.info("FD_ENABLE_MAX_PREFILL=%d (%s)", int(enable_max_prefill),
              "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
@@ -336,7 +336,7 @@ def run_server(ns: argparse.Namespace) -> int:
                       repetition_guard=config.repetition_guard)
     state = ServerState(config=config, engine=engine, metrics=metrics, chat=ChatHandler(ctx),
                         max_model_len=getattr(engine_config, "max_model_len", None),
-                        model_root=source.model or "dummy")
+                        model_root=source.model_dir or "dummy")
     metrics_holder.append(state)
     return asyncio.run(_serve(state))
 

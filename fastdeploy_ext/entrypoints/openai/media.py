@@ -1,6 +1,7 @@
 """Image parts of a chat request -> encoded image bytes, under the server's media policy.
 
-* ``data:`` URLs (base64): decoded here, size-checked;
+* ``data:`` URLs: passed through unchanged; the engine's input processor decodes them (one
+  decoder; the request body limit already bounds their size);
 * ``http(s)://`` URLs: fetched with a timeout and a byte cap (read as a stream; the download
   stops at the cap, whatever Content-Length claims);
 * local paths and ``file://`` URLs: only under ``--allowed-local-media-path`` (vLLM's flag),
@@ -11,8 +12,6 @@ engine's, through the processor: this module only moves bytes and never decodes 
 Every failure is an `APIError(400)` that names the image part."""
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +45,13 @@ class MediaFetcher:
                                              max_redirects=5, trust_env=False)
         return self._client
 
-    async def fetch(self, url: str, label: str) -> bytes:
+    async def fetch(self, url: str, label: str) -> bytes | str:
         if not isinstance(url, str) or not url.strip():
             raise bad_request(f"{label}: the image URL is empty", param="messages")
         url = url.strip()
         scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
         if scheme == "data":
-            return self._data_url(url, label)
+            return url
         if scheme in ("http", "https"):
             return await self._fetch_http(url, label)
         if scheme == "file":
@@ -66,21 +65,6 @@ class MediaFetcher:
         if n > self.policy.max_bytes:
             raise bad_request(f"{label}: image is larger than the {self.policy.max_bytes} byte limit",
                               param="messages", code="image_too_large")
-
-    def _data_url(self, url: str, label: str) -> bytes:
-        header, sep, payload = url.partition(",")
-        if not sep:
-            raise bad_request(f"{label}: malformed data URL (no ',' after the media type)", param="messages")
-        if not header.endswith(";base64"):
-            raise bad_request(f"{label}: data URLs must be base64 (data:image/png;base64,...)", param="messages")
-        # base64 is 4/3 the size: refuse before decoding a huge payload
-        self._check_size(len(payload) * 3 // 4 - 2, label)
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise bad_request(f"{label}: data URL payload is not valid base64", param="messages") from None
-        self._check_size(len(data), label)
-        return data
 
     async def _fetch_http(self, url: str, label: str) -> bytes:
         cap = self.policy.max_bytes

@@ -41,12 +41,19 @@ class _EngineCollector:
         yield g("fastdeploy:available_gpu_block_num", "Free KV-cache blocks", s.kv_blocks_total - s.kv_blocks_used)
         yield g("fastdeploy_ext:kv_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total)
         yield g("fastdeploy_ext:kv_blocks_used", "KV-cache blocks in use", s.kv_blocks_used)
-        for graph in ("encoder", "decoder"):
-            for kind in ("hits", "fallbacks"):
-                c = CounterMetricFamily(f"fastdeploy_ext:{graph}_graph_{kind}", f"{graph} steps that "
-                                        + ("replayed a captured graph" if kind == "hits" else "ran eagerly"))
-                c.add_metric([], float(getattr(s, f"{graph}_graph_{kind}", 0)))
-                yield c
+        yield g("fastdeploy_ext:num_requests_preprocessing", "Requests in the preprocessing worker pool",
+                s.num_preprocessing)
+        counters = (("graph_hits", "Steps that replayed a captured graph (encoder and decoder)"),
+                    ("graph_fallbacks", "Steps that ran eagerly where a graph path exists"),
+                    ("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks"),
+                    ("preprocess_s", "Seconds spent preprocessing requests (worker pool, summed)"),
+                    ("vision_s", "Seconds spent in vision encoder passes"),
+                    ("vision_passes", "Vision encoder passes"))
+        for attr, doc in counters:
+            name = {"preprocess_s": "preprocess_seconds", "vision_s": "vision_seconds"}.get(attr, attr)
+            c = CounterMetricFamily(f"fastdeploy_ext:{name}", doc)
+            c.add_metric([], float(getattr(s, attr)))
+            yield c
 
 
 class ServerMetrics:

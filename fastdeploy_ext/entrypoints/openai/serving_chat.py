@@ -95,25 +95,23 @@ def sampling_params(req: protocol.ChatCompletionRequest, guard: dict | None) -> 
     return SamplingParams(**kw)
 
 
-async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> tuple[list[dict], list[bytes]]:
-    """OpenAI messages -> the engine's: image parts become ``{"type": "image"}`` placeholders and
-    their bytes are returned in order (fetched under the media policy)."""
-    messages, images = [], []
-    n = 0
+async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> list[dict]:
+    """OpenAI messages -> the engine's: each image part becomes ``{"type": "image", "image": X}``
+    with X the fetched bytes (http(s), allowed local files) or the data URL itself."""
+    messages, n = [], 0
     for m in req.messages:
         if isinstance(m.content, list):
             parts = []
             for p in m.content:
                 if isinstance(p, protocol.ImagePart):
-                    images.append(await fetcher.fetch(p.url, f"image {n}"))
+                    parts.append({"type": "image", "image": await fetcher.fetch(p.url, f"image {n}")})
                     n += 1
-                    parts.append({"type": "image"})
                 else:
                     parts.append({"type": "text", "text": p.text})
             messages.append({"role": m.role, "content": parts})
         else:
             messages.append({"role": m.role, "content": m.content or ""})
-    return messages, images
+    return messages
 
 
 class _Run:
@@ -204,9 +202,9 @@ class ChatHandler:
                 params.validate()
             except (InvalidRequest, TypeError) as e:
                 raise bad_request(str(e)) from None
-            messages, images = await asyncio.wait_for(resolve_messages(req, self.ctx.fetcher),
-                                                      timeout=max(run.remaining(), 0))
-            prompt = {"messages": messages, "images": images}
+            messages = await asyncio.wait_for(resolve_messages(req, self.ctx.fetcher),
+                                              timeout=max(run.remaining(), 0))
+            prompt: dict[str, Any] = {"messages": messages}
             if req.mm_processor_kwargs is not None:
                 prompt["mm_processor_kwargs"] = req.mm_processor_kwargs.model_dump(exclude_none=True)
             self.ctx.metrics.requests_number.labels(self.model_name).inc()
