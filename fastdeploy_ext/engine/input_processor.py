@@ -103,6 +103,9 @@ class InputLimits:
     max_model_len: int
 
 
+# transformers' processor upscales a 1-pixel-wide image to min_pixels of pure interpolation; no
+# text fits in it, so a request carrying one is refused as bad input (the issue's "1x1" case)
+MIN_IMAGE_SIDE = 2
 MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")   # vLLM's per-request processor overrides we honour
 
 
@@ -173,6 +176,10 @@ class InputProcessor:
             except ValueError as e:       # ImageInputError names the source and the problem
                 raise InvalidRequest(f"image {k}: {e}") from None
         for k, im in enumerate(processed):
+            h, w = im.original_size
+            if min(h, w) < MIN_IMAGE_SIDE:
+                raise InvalidRequest(f"image {k} ({im.source}) is {w}x{h} pixels: too small to hold text (each "
+                                     f"side needs at least {MIN_IMAGE_SIDE} pixels)")
             if im.num_patches > lim.max_encoder_patches:
                 raise InvalidRequest(f"image {k} ({im.source}) has {im.num_patches} patches, above "
                                      f"--max-encoder-patches {lim.max_encoder_patches}")

@@ -57,6 +57,13 @@ class MMProcessorKwargs(_Strict):
     max_pixels: int | None = Field(None, ge=1)
 
 
+class RepetitionGuardOverride(_Strict):
+    enabled: bool | None = None
+    max_period: int | None = None
+    min_repeats: int | None = None
+    min_span: int | None = None
+
+
 class ChatCompletionRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -81,6 +88,9 @@ class ChatCompletionRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # ours: per-request override of the server's repetition-loop guard (e.g. {"enabled": false}
+    # for a page that legitimately repeats), keys of engine.sampling_params.RepetitionGuard
+    repetition_guard: RepetitionGuardOverride | None = None
 
     @property
     def output_limit(self) -> int | None:

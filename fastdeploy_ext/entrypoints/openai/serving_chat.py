@@ -90,8 +90,9 @@ def sampling_params(req: protocol.ChatCompletionRequest, guard: dict | None) -> 
             kw[name] = v
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
-    if guard is not None:
-        kw["repetition_guard"] = RepetitionGuard(**guard)
+    override = req.repetition_guard.model_dump(exclude_none=True) if req.repetition_guard else {}
+    if guard is not None or override:
+        kw["repetition_guard"] = RepetitionGuard(**{**(guard or {}), **override})
     return SamplingParams(**kw)
 
 
