@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "httpx>=0.27", "anyio>=4"]
+
 setup(
     name="fastdeploy_ext",
     version="0.1.0",
@@ -33,10 +35,14 @@ setup(
         # workers) and its tests; Paddle-layout checkpoints alone need only safetensors. The CPU
         # wheel (~195 MB) is enough for the tests; a FastDeploy GPU worker brings its own Paddle.
         "paddle": ["paddlepaddle==3.3.1"],
+        # the OpenAI-compatible server (`fastdeploy-ext serve`): FastAPI on uvicorn, Prometheus
+        # metrics, httpx for http(s) image URLs and for `bench serve`'s load generator
+        "serve": SERVE,
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
-        # interpreter-mode tests on the CPU.
+        # interpreter-mode tests on the CPU; the server tests drive the server with `openai`.
         "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",
-                 "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+                 "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
+                 "openai>=1.40", *SERVE],
     },
     entry_points={
         "console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"],

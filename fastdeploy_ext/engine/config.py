@@ -30,7 +30,10 @@ def parse_limit_mm(text: str | dict | None) -> dict[str, int]:
     """--limit-mm-per-prompt '{"image": 2}'."""
     if text is None:
         return {"image": 1}
-    d = json.loads(text) if isinstance(text, str) else dict(text)
+    try:
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"--limit-mm-per-prompt is not valid JSON ({e}): {text!r}") from None
     if not isinstance(d, dict) or set(d) - {"image"} or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in d.values()):
         raise ValueError(f"--limit-mm-per-prompt must be JSON like '{{\"image\": 1}}', got {text!r}")

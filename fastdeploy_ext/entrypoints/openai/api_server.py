@@ -311,6 +311,11 @@ def _metrics_app(state: ServerState):
 
 def run_server(ns: argparse.Namespace) -> int:
     """Everything after flag parsing; shared by both entry points."""
+    return asyncio.run(_serve(build_state(ns)))
+
+
+def build_state(ns: argparse.Namespace) -> ServerState:
+    """Flags -> the server's objects (engine created, not started). CliError for bad values."""
     cli_args.notice_ignored_flags(ns)
     source = shared_args.model_source_from_args(ns)
     engine_config = shared_args.engine_config_from_args(ns, source, shared_args.plan_request_from_args(ns))
@@ -338,7 +343,7 @@ def run_server(ns: argparse.Namespace) -> int:
                         max_model_len=getattr(engine_config, "max_model_len", None),
                         model_root=source.model_dir or "dummy")
     metrics_holder.append(state)
-    return asyncio.run(_serve(state))
+    return state
 
 
 async def _serve(state: ServerState) -> int:
