@@ -75,3 +75,25 @@ def test_the_op_taking_the_rotary_fallback_logs_it_once(caplog):
         for _ in range(2):
             layer.attention(torch.randn(meta.num_tokens, 3 * cfg.hidden_size), meta, ex)
     assert len(_records(caplog, "run as ATen ops")) == 1
+
+
+def test_nvml_driver_version_failure_is_a_plan_note_logged_once(caplog):
+    """Mutation: NVML's driver-version query fails (the probe still finds the GPUs): the probe
+    notes it, the plan's notes carry it, and it is logged once however many plans are made."""
+    from backends.cuda.probe import probe_nvidia
+
+    from .test_probe_cuda import FakeNVML, FakeNVMLError, fake_torch
+
+    class NoDriverVersion(FakeNVML):
+        def nvmlSystemGetDriverVersion(self):
+            raise FakeNVMLError("Unknown Error")
+
+    caplog.set_level(logging.WARNING, logger="fastdeploy_ext.fallbacks")
+    healthy = probe_nvidia(nvml_module=FakeNVML(), torch_module=fake_torch(True))
+    assert healthy.notes == () and fallbacks.fallback_notes(torch.device("cpu"), False, healthy) == ()
+    probe = probe_nvidia(nvml_module=NoDriverVersion(), torch_module=fake_torch(True))
+    assert probe.present and probe.driver_version is None
+    expected = "probe: driver version unknown (FakeNVMLError: Unknown Error)"
+    for _ in range(3):
+        assert expected in fallbacks.fallback_notes(torch.device("cpu"), False, probe)
+    assert len(_records(caplog, "driver version unknown")) == 1
