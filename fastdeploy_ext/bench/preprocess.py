@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from . import BenchError
+from .timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +60,6 @@ def _parse(args):
     else:
         workers = sorted({1, default_workers()})
     return (h, w), workers
-
-
-def _time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
 
 
 def _references(kw: dict) -> dict:
@@ -129,11 +117,11 @@ def run_cli(args) -> int:
 
     for nw in workers:
         if nw == 1:
-            ms = _time_ms(lambda: [proc.preprocess(im) for im in images], args.warmup, args.iters)
+            ms = median_ms(lambda: [proc.preprocess(im) for im in images], args.warmup, args.iters, "cpu")
             record("ours", "serial", 1, ms)
         else:
             with PreprocessPool(proc, nw) as pool:
-                ms = _time_ms(lambda: pool.map(images), args.warmup, args.iters)
+                ms = median_ms(lambda: pool.map(images), args.warmup, args.iters, "cpu")
             record("ours", "thread-pool", nw, ms)
     for name, ref in refs.items():
         if isinstance(ref, str):
@@ -143,13 +131,13 @@ def run_cli(args) -> int:
         for nw in workers:
             try:
                 torch.set_num_threads(nw)
-                ms = _time_ms(lambda: ref(images=images, return_tensors="pt"), args.warmup, args.iters)
+                ms = median_ms(lambda: ref(images=images, return_tensors="pt"), args.warmup, args.iters, "cpu")
                 record(name, "torch-threads", nw, ms)
                 if nw > 1:
                     torch.set_num_threads(1)
                     with ThreadPoolExecutor(nw) as ex:
-                        ms = _time_ms(lambda: list(ex.map(lambda im: ref(images=[im], return_tensors="pt"), images)),
-                                      args.warmup, args.iters)
+                        ms = median_ms(lambda: list(ex.map(lambda im: ref(images=[im], return_tensors="pt"), images)),
+                                       args.warmup, args.iters, "cpu")
                     record(name, "thread-pool", nw, ms)
             finally:
                 torch.set_num_threads(torch_threads0)

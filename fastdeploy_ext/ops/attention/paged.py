@@ -133,10 +133,8 @@ def _always(device: torch.device) -> tuple[bool, str]:
 
 
 def _triton_available(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda":
-        return False, f"Triton kernels need a CUDA device, have {device.type}"
-    from ..triton.runtime import triton_available
-    return triton_available()
+    from ..triton.runtime import available_on
+    return available_on(device)
 
 
 def _triton_prefill(q, kc, vc, meta, scale):

@@ -124,10 +124,8 @@ class TritonVarlen(VarlenAttention):
         self.name, self.applies_rotary = name, rotary
 
     def available(self, device: torch.device) -> tuple[bool, str]:
-        if device.type != "cuda":
-            return False, f"Triton kernels need a CUDA device, have {device.type}"
-        from ..triton.runtime import triton_available
-        return triton_available()
+        from ..triton.runtime import available_on
+        return available_on(device)
 
     def prepare(self, seq_lens: list[int], upload: Upload) -> torch.Tensor:
         from ..triton.varlen_attention import build_block_table

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import TRITON_INTERPRETED, jit_decorator, tl, triton
+from .runtime import KernelTable, tl, triton, usable_on
 
 
 def _pow2(n: int) -> int:
@@ -89,29 +89,20 @@ if triton is not None:
         tl.store(Y + row * s_y + c, (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype), mask=mask)
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def _kernel(name: str):
-    if name not in _KERNELS:
-        raw = {"add_rms_norm": _add_rms_norm_kernel, "rope_cache": _rope_cache_kernel,
-               "silu_mul": _silu_mul_kernel}[name]
-        _KERNELS[name] = jit_decorator()(raw)
-    return _KERNELS[name]
+_KERNELS = KernelTable(lambda: {"add_rms_norm": _add_rms_norm_kernel, "rope_cache": _rope_cache_kernel,
+               "silu_mul": _silu_mul_kernel})
 
 
 def usable(device: torch.device) -> bool:
     """The passes can run on ``device``: CUDA with compiled Triton, or the CPU under the interpreter."""
-    if triton is None:
-        return False
-    return device.type == "cuda" if not TRITON_INTERPRETED else device.type == "cpu"
+    return usable_on(device)
 
 
 def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += delta (in place; skipped when delta is None); returns RMSNorm(residual)."""
     n, h = residual.shape
     y = torch.empty_like(residual)
-    _kernel("add_rms_norm")[(n,)](
+    _KERNELS["add_rms_norm"][(n,)](
         residual if delta is None else delta, residual, weight, y, eps,
         0 if delta is None else delta.stride(0), residual.stride(0), y.stride(0),
         N=h, BLOCK=_pow2(h), HAS_DELTA=delta is not None)
@@ -128,7 +119,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if k_cache.stride(1) != num_kv_heads * head_dim or v_cache.stride(1) != num_kv_heads * head_dim:
         raise ValueError("rope_and_cache needs contiguous [block_size, Hkv, D] blocks")
     half = head_dim // 2
-    _kernel("rope_cache")[(t,)](
+    _KERNELS["rope_cache"][(t,)](
         qkv, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         HQ=num_heads, HKV=num_kv_heads, HQ_PAD=_pow2(num_heads), HKV_PAD=_pow2(num_kv_heads), D=head_dim,
@@ -141,5 +132,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     i = two_i // 2
     y = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(i))
-    _kernel("silu_mul")[(t, -(-i // block))](gate_up, y, gate_up.stride(0), y.stride(0), I=i, BLOCK=block)
+    _KERNELS["silu_mul"][(t, -(-i // block))](gate_up, y, gate_up.stride(0), y.stride(0), I=i, BLOCK=block)
     return y

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import jit_decorator, tl, triton
+from .runtime import KernelTable, tl, triton
 
 __all__ = ["add_layer_norm_triton", "rotary_qk_in_place_triton"]
 
@@ -93,14 +93,7 @@ if triton is not None:
             tl.store(p1 + HALF, (f2 * c2 + f1 * s2).to(x1.dtype), mask=mask)
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def _kernel(name: str):
-    if name not in _KERNELS:
-        raw = {"add_ln": _add_ln_kernel, "rotary_qk": _rotary_qk_kernel}[name]
-        _KERNELS[name] = jit_decorator()(raw)
-    return _KERNELS[name]
+_KERNELS = KernelTable(lambda: {"add_ln": _add_ln_kernel, "rotary_qk": _rotary_qk_kernel})
 
 
 def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, bias: torch.Tensor | None,
@@ -117,7 +110,7 @@ def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, bias: tor
         return res, y
     block = triton.next_power_of_2(hidden)
     rows, warps = tuning or (_ROWS_PER_PROGRAM, _ADD_LN_WARPS)
-    _kernel("add_ln")[(triton.cdiv(n, rows),)](
+    _KERNELS["add_ln"][(triton.cdiv(n, rows),)](
         x, delta if delta is not None else x, bias if bias is not None else weight, weight, ln_bias, res, y, n,
         x.stride(0), delta.stride(0) if delta is not None else 0, res.stride(0), y.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, ROWS=rows, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
@@ -138,7 +131,7 @@ def rotary_qk_in_place_triton(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     half = d // 2
     block_t, group, warps = tuning or (_ROTARY_TOKENS, _ROTARY_HEADS, 4)
     group = max(g for g in range(1, min(group, heads) + 1) if heads % g == 0)   # a divisor of heads
-    _kernel("rotary_qk")[(triton.cdiv(n, block_t), heads // group)](
+    _KERNELS["rotary_qk"][(triton.cdiv(n, block_t), heads // group)](
         qk, cos, sin, n, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
         HEADS_PER_PROGRAM=group, HALF=half, HALF_P=triton.next_power_of_2(half), BLOCK_T=block_t,
         num_warps=warps,

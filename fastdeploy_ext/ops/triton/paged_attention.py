@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import jit_decorator, tl, triton
+from .runtime import KernelTable, tl, triton
 
 _LOG2E = 1.4426950408889634
 DEFAULT_PART_TOKENS = 256
@@ -148,14 +148,7 @@ if triton is not None:
         tl.store(o_ptr, out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def _kernel(name: str):
-    if name not in _KERNELS:
-        raw = {"decode": _decode_partial_kernel, "reduce": _decode_reduce_kernel, "prefill": _prefill_kernel}[name]
-        _KERNELS[name] = jit_decorator()(raw)
-    return _KERNELS[name]
+_KERNELS = KernelTable(lambda: {"decode": _decode_partial_kernel, "reduce": _decode_reduce_kernel, "prefill": _prefill_kernel})
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -192,13 +185,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lp = torch.empty_like(mp)
     out = torch.empty_like(q)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    _kernel("decode")[(b, hkv, nparts)](
+    _KERNELS["decode"][(b, hkv, nparts)](
         q, k_cache, v_cache, block_tables, context_lens, op, mp, lp, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
         GROUP=group, GROUP_PAD=_pow2(group), D=d, D_PAD=_pow2(d), BS=bs, PART_BLOCKS=part_blocks, DOT_PREC=prec)
-    _kernel("reduce")[(b, hq)](
+    _KERNELS["reduce"][(b, hq)](
         op, mp, lp, context_lens, out, op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
         out.stride(0), out.stride(1), PART_TOKENS=part_tokens, P_PAD=_pow2(nparts, 2), D=d, D_PAD=_pow2(d))
     return out
@@ -214,7 +207,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (-(-max_query_len // block_m), b, hq)
-    _kernel("prefill")[grid](
+    _KERNELS["prefill"][grid](
         q, k_cache, v_cache, block_tables, cu_query, context_lens, out, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),

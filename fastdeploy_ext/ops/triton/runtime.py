@@ -23,8 +23,8 @@ except Exception as _e:  # noqa: BLE001  # pragma: no cover - any import failure
     tl = None
     TRITON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
 
-__all__ = ["TRITON_INTERPRETED", "jit_decorator", "kernels_usable", "tl", "triton", "triton_available",
-           "triton_available_cached"]
+__all__ = ["KernelTable", "TRITON_INTERPRETED", "available_on", "jit_decorator", "kernels_usable", "tl", "triton",
+           "triton_available", "triton_available_cached", "usable_on"]
 
 
 def _env_interpret() -> bool:
@@ -90,13 +90,41 @@ def triton_available_cached() -> tuple[bool, str]:
     return triton_available()
 
 
-def kernels_usable(t: torch.Tensor) -> bool:
-    """Our Triton kernels can run on t's device (CUDA, or CPU under the interpreter)."""
+def usable_on(device: torch.device) -> bool:
+    """Our Triton kernels can run on tensors of ``device`` (CUDA, or CPU under the interpreter)."""
     if triton is None:
         return False
     if TRITON_INTERPRETED:
-        return t.device.type == "cpu"
-    return t.device.type == "cuda"
+        return device.type == "cpu"
+    return device.type == "cuda"
+
+
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Our Triton kernels can run on t's device."""
+    return usable_on(t.device)
+
+
+def available_on(device: torch.device) -> tuple[bool, str]:
+    """(present, reason) of a Triton-kernel backend on a runner's device: a CUDA device and a
+    working triton (attention backends' ``available``)."""
+    if device.type != "cuda":
+        return False, f"Triton kernels need a CUDA device, have {device.type}"
+    return triton_available()
+
+
+class KernelTable:
+    """One module's raw kernel functions, each decorated on first use (:func:`jit_decorator`), so
+    importing the module costs nothing and works without triton. ``raw``: a function returning
+    name -> raw kernel (called only once a kernel is asked for: the raw functions exist only
+    where triton imported)."""
+
+    def __init__(self, raw):
+        self._raw, self._made = raw, {}
+
+    def __getitem__(self, name: str):
+        if name not in self._made:
+            self._made[name] = jit_decorator()(self._raw()[name])
+        return self._made[name]
 
 
 def _interpreter_numpy_compat() -> None:
