@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
+from .. import envs
 from ..plan import DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, GraphOptimizationConfig, PlanRequest
 from ..runner import LOAD_FORMATS, MODEL_FORMATS, ModelSource
 
@@ -33,6 +35,14 @@ class CliError(Exception):
 
 
 # ------------------------------------------------------------------ parsers
+def setup_logging() -> None:
+    """FD_LOG_LEVEL to stderr, one format for every command (fastdeploy-ext, the server)."""
+    level = str(envs.FD_LOG_LEVEL.get()).upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+                        format="[fastdeploy_ext] %(levelname)s %(message)s")
+
+
+
 def root_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
 

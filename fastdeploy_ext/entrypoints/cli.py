@@ -15,15 +15,10 @@ from ..plan import PlanError
 from ..runner import ModelSource
 from ..bench import BenchError
 from .args import (CliError, add_engine_args, add_model_args, add_runner_args, command_parser,
-                   engine_config_from_args, model_source_from_args, plan_request_from_args, root_parser)
+                   engine_config_from_args, model_source_from_args, plan_request_from_args, root_parser,
+                   setup_logging)
 
 log = logging.getLogger("fastdeploy_ext")
-
-
-def setup_logging() -> None:
-    level = str(envs.FD_LOG_LEVEL.get()).upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
-                        format="[fastdeploy_ext] %(levelname)s %(message)s")
 
 
 def build_runner(args, source: ModelSource | None = None):

@@ -368,8 +368,7 @@ async def _serve(state: ServerState) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fastdeploy_ext.entrypoints.openai.api_server") -> int:
-    from ..cli import setup_logging
-    setup_logging()
+    shared_args.setup_logging()
     parser = build_parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(cli_args.expand_config_file(parser, argv))
