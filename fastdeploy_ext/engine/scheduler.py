@@ -169,15 +169,15 @@ class Scheduler:
 
     def _schedule_decode(self, preempted: list[Sequence]) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False, preempted=preempted)
-        for seq in list(self.running):      # oldest first
-            if seq not in self.running:     # preempted by an older sequence in this loop
-                continue
-            if len(out.scheduled) >= min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
-                break
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        i = 0
+        while i < len(self.running) and len(out.scheduled) < limit:     # oldest first
+            seq = self.running[i]
+            # victims are always newer (later in the list) than seq, or seq itself when it is the
+            # newest: then it left the list and the loop ends. O(running) per step.
             if not self._make_room(seq, seq.num_tokens, out):
-                continue
+                break
             self.bm.allocate(seq, seq.num_tokens)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
-        # a preempted sequence that was already scheduled cannot exist: victims are always
-        # newer than the sequence making room, and we walk oldest first
+            i += 1
         return out

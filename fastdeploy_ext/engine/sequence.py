@@ -97,8 +97,9 @@ class Sequence:
         self.text = ""
         self.prefix_offset = self.read_offset = self.prompt_len
         self.num_sent_text = 0                        # characters already streamed
-        # repetition guard: run[p] = trailing positions i with out[i] == out[i - p]
-        self.repeat_runs: list[int] = [0] * (params.repetition_guard.max_period + 1)
+        # repetition guard: repeat_runs[p-1] = trailing positions i with out[i] == out[i - p]
+        self.repeat_runs: list[int] = [0] * params.repetition_guard.max_period
+        self.repeat_thresholds: list[int] | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
