@@ -16,7 +16,7 @@
 # The fa3 extra: carry the fa3-fwd wheel in .whl (pip download fa3-fwd==0.0.3 --no-deps -d .whl);
 # the default plan on cuda_sm90 then picks fa3_varlen (info.txt says whether it imported).
 #   generate (not in "all")  `bench generate --load-format dummy` bf16: page1 (TTFT, batch-1 decode),
-#                pages64, lines256 vs transformers generate on the same random weights
+#                pages64, lines256 vs transformers generate (its own random init: speed, not tokens)
 #                (GENERATE_ARGS narrows it, e.g. "--workloads page1,pages64 --ref-batch 16")
 #   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate]...
 set -uo pipefail
