@@ -10,6 +10,7 @@ from fastdeploy_ext.engine.config import EngineConfig
 from fastdeploy_ext.engine.errors import EngineDead, InvalidRequest
 from fastdeploy_ext.engine.input_processor import InputLimits, InputProcessor
 from fastdeploy_ext.engine.sampling_params import SamplingParams
+from fastdeploy_ext.plan import PlanRequest
 from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor
 
 from .engine_fakes import FakePromptBuilder, FakeRunner
@@ -103,3 +104,35 @@ def test_dead_step_loop_is_reported():
         assert not eng.healthy and "device lost" in eng.error
         await eng.shutdown(drain=False)
     asyncio.run(main())
+
+
+def test_real_runner_streams_match_offline():
+    """The async API on the shipped tiny_vl model (the real runner): streamed deltas add up to
+    the offline API's greedy tokens and text; stop strings cut the text."""
+    from fastdeploy_ext import LLM
+    from fastdeploy_ext.conformance.references import Manifest
+    refs = Manifest.load()
+    model, imgs = str(refs.path("tiny_vl")), [str(p) for p in refs.files("images")[:3]]
+    kw = dict(max_model_len=256, kv_cache_memory=16 << 20)
+    offline = LLM(model, device="cpu", dtype="float32", **kw).generate(
+        [{"prompt": "OCR:", "images": [p]} for p in imgs], P, use_tqdm=False)
+
+    async def main():
+        eng = AsyncLLMEngine(EngineConfig(model=model, plan=PlanRequest(
+            device="cpu", dtype="float32"), **kw))
+        await eng.start()
+        res = await asyncio.gather(*[collect(eng, str(i), {"prompt": "OCR:", "images": [p]})
+                                     for i, p in enumerate(imgs)])
+        stop_at = "he"          # in image 2's greedy text ("^he...")
+        stopped = await collect(eng, "s", {"prompt": "OCR:", "images": [imgs[2]]},
+                                SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop_at]))
+        assert eng.stats().kv_blocks_used == 0
+        await eng.shutdown()
+        return res, stopped, stop_at
+    res, stopped, stop_at = asyncio.run(main())
+    for outs, off in zip(res, offline):
+        assert outs[-1].token_ids == off.outputs[0].token_ids
+        assert "".join(o.delta_text for o in outs) == outs[-1].text == off.outputs[0].text
+    full = offline[2].outputs[0].text
+    assert stop_at in full and stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop_at
+    assert stopped[-1].text == full[:full.index(stop_at)] and len(stopped[-1].token_ids) < 10
