@@ -234,6 +234,11 @@ def build_parser():
     bp = command_parser(bsub, "preprocess", "image preprocessing images/s at 1 and N workers vs transformers")
     preprocess_bench.add_arguments(bp)
     bp.set_defaults(func=preprocess_bench.run_cli)
+    from ..bench import serve as serve_bench
+    bs = command_parser(bsub, "serve", "the OpenAI server under load (single, 4x8, 32 concurrent) vs transformers "
+                                       "generate behind the same request stream")
+    serve_bench.add_arguments(bs)
+    bs.set_defaults(func=serve_bench.run_cli)
     from ..bench import gemm as gemm_bench
     bg = command_parser(bsub, "gemm", "GEMM ceiling on the encoder's shapes vs the encoder's own GEMM rate")
     gemm_bench.add_arguments(bg)

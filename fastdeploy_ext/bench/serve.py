@@ -1,0 +1,304 @@
+"""`fastdeploy-ext bench serve`: our OpenAI-compatible server and transformers' `generate` behind
+the same request stream, in one run (issue 9 item 5; DESIGN.md section 7). Nothing asserts a time.
+
+Both servers run as subprocesses on loopback ports (this module never imports entrypoints: ours
+is started by module name, the reference is `bench/serve_reference.py`). Each request is one
+page (a synthetic document PNG, default 1920x1080) with "OCR:", greedy, `ignore_eos`, exactly
+--output-tokens new tokens (the output length is stated in every result), streamed so that the
+time to first token is measured on the client. Workloads:
+- single: requests one at a time: e2e latency and TTFT;
+- 4x8: 4 clients, each sending 8 requests one after another: avg, P50, P95 of e2e and TTFT;
+- c32: --c32-requests requests at 32 concurrency: requests/s and output tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from . import BenchError
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = ("single", "4x8", "c32")
+
+
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    model: str | None
+    load_format: str
+    device: str
+    dtype: str
+    server_args: tuple[str, ...]
+    workloads: tuple[str, ...]
+    output_tokens: int
+    single_requests: int
+    c32_requests: int
+    image_size: tuple[int, int]
+    reference: bool
+    reference_max_batch: int
+    json_out: str | None
+    startup_timeout: float
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model dir (with tokenizer; the reference loads it too)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                   help="dummy: random weights, ours only (the reference needs the same weights: --model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--server-args", default="", help='more flags for our server, one string, e.g. '
+                   '"--max-num-seqs 64 --gpu-memory-utilization 0.8"')
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--output-tokens", type=int, default=512, help="new tokens per request (ignore_eos)")
+    p.add_argument("--single-requests", type=int, default=3)
+    p.add_argument("--c32-requests", type=int, default=64)
+    p.add_argument("--image-size", default="1920x1080", help="WxH of the synthetic page")
+    p.add_argument("--no-reference", action="store_true", help="skip transformers")
+    p.add_argument("--reference-max-batch", type=int, default=32, help="the reference's largest static batch")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+
+
+def options_from_args(ns) -> ServeBenchOptions:
+    wl = tuple(w for w in ns.workloads.split(",") if w)
+    if set(wl) - set(WORKLOADS):
+        raise BenchError(f"unknown workload(s) {sorted(set(wl) - set(WORKLOADS))}; choose from {', '.join(WORKLOADS)}")
+    try:
+        w, h = (int(x) for x in ns.image_size.lower().split("x"))
+    except ValueError:
+        raise BenchError(f"--image-size must be WxH, got {ns.image_size!r}") from None
+    if ns.load_format != "dummy" and not ns.model:
+        raise BenchError("--model DIR is required (or --load-format dummy, which runs ours only)")
+    reference = not ns.no_reference and ns.load_format != "dummy"
+    if not ns.no_reference and not reference:
+        log.info("reference skipped: --load-format dummy has no weights transformers could load")
+    for name in ("output_tokens", "single_requests", "c32_requests", "reference_max_batch"):
+        if getattr(ns, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
+    return ServeBenchOptions(model=ns.model, load_format=ns.load_format, device=ns.device, dtype=ns.dtype,
+                             server_args=tuple(shlex.split(ns.server_args)), workloads=wl,
+                             output_tokens=ns.output_tokens, single_requests=ns.single_requests,
+                             c32_requests=ns.c32_requests, image_size=(w, h), reference=reference,
+                             reference_max_batch=ns.reference_max_batch, json_out=ns.json_out,
+                             startup_timeout=ns.startup_timeout)
+
+
+# ------------------------------------------------------------------ servers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess on a free loopback port; its output goes to a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: str):
+        self.name, self.log_path = name, log_path
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd + ["--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+        log.info("%s: %s (log %s)", name, " ".join(cmd), log_path)
+
+    def wait_healthy(self, timeout: float) -> None:
+        import httpx
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.name} server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise BenchError(f"{self.name} server not healthy after {timeout:g}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def our_server(o: ServeBenchOptions, log_dir: str) -> Server:
+    src = ["--load-format", "dummy"] if o.load_format == "dummy" else ["--model", o.model, "--load-format", o.load_format]
+    cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.openai.api_server", *src, "--device", o.device,
+           "--dtype", o.dtype, "--host", "127.0.0.1", "--served-model-name", "bench", *o.server_args]
+    return Server("ours", cmd, os.path.join(log_dir, "bench_serve_ours.log"))
+
+
+def reference_server(o: ServeBenchOptions, log_dir: str) -> Server:
+    cmd = [sys.executable, "-m", "fastdeploy_ext.bench.serve_reference", "--model", o.model, "--device", o.device,
+           "--dtype", o.dtype, "--max-batch", str(o.reference_max_batch)]
+    return Server("transformers", cmd, os.path.join(log_dir, "bench_serve_reference.log"))
+
+
+# ------------------------------------------------------------------ load generator
+@dataclass
+class Sample:
+    ok: bool
+    e2e_s: float
+    ttft_s: float | None
+    output_tokens: int
+    error: str | None = None
+
+
+async def _one(client, url: str, body: dict) -> Sample:
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return Sample(False, time.perf_counter() - t0, None, 0, f"HTTP {r.status_code}: {await r.aread()!r:.200}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("choices") and ttft is None and ev["choices"][0].get("delta", {}).get("content"):
+                    ttft = time.perf_counter() - t0
+                if ev.get("usage"):
+                    tokens = ev["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+        return Sample(False, time.perf_counter() - t0, None, 0, f"{type(e).__name__}: {e}")
+    return Sample(True, time.perf_counter() - t0, ttft, tokens)
+
+
+def request_body(png: bytes, tokens: int) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    return {"model": "bench", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "OCR:"}]}],
+        "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _summary(samples: list[Sample], wall: float, tokens: int) -> dict:
+    ok = [s for s in samples if s.ok]
+    e2e = [s.e2e_s for s in ok]
+    ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
+    out = {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens_per_request": tokens,
+           "wall_s": wall, "requests_per_s": len(ok) / wall if wall else None,
+           "output_tokens_per_s": sum(s.output_tokens for s in ok) / wall if wall else None,
+           "short_outputs": sum(s.output_tokens != tokens for s in ok)}
+    for name, xs in (("e2e", e2e), ("ttft", ttft)):
+        if xs:
+            out[f"{name}_avg_s"] = statistics.fmean(xs)
+            out[f"{name}_p50_s"] = _pct(xs, 50)
+            out[f"{name}_p95_s"] = _pct(xs, 95)
+    errors = [s.error for s in samples if not s.ok][:3]
+    if errors:
+        out["errors"] = errors
+    return out
+
+
+async def run_workload(url: str, name: str, pages: list[bytes], o: ServeBenchOptions) -> dict:
+    import httpx
+    tokens = o.output_tokens
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        await _one(client, url, request_body(pages[-1], 4))                   # warm-up
+        t0 = time.perf_counter()
+        if name == "single":
+            samples = [await _one(client, url, request_body(pages[i % len(pages)], tokens))
+                       for i in range(o.single_requests)]
+        elif name == "4x8":
+            async def worker(w):
+                return [await _one(client, url, request_body(pages[(w * 8 + i) % len(pages)], tokens))
+                        for i in range(8)]
+            samples = [s for ws in await asyncio.gather(*[worker(w) for w in range(4)]) for s in ws]
+        else:
+            sem = asyncio.Semaphore(32)
+
+            async def one(i):
+                async with sem:
+                    return await _one(client, url, request_body(pages[i % len(pages)], tokens))
+            samples = await asyncio.gather(*[one(i) for i in range(o.c32_requests)])
+        return _summary(samples, time.perf_counter() - t0, tokens)
+
+
+def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
+    from .generate import synthetic_png
+    w, h = o.image_size
+    n_pages = max(o.c32_requests, 32, o.single_requests)
+    pages = [synthetic_png(20_000 + i, w, h, max(h // 27, 1)) for i in range(n_pages)]
+    report = {"device": o.device, "dtype": o.dtype, "model": o.model or "dummy", "image_size": f"{w}x{h}",
+              "output_tokens_per_request": o.output_tokens, "server_args": list(o.server_args),
+              "reference": "transformers generate, static batches of up to "
+                           f"{o.reference_max_batch} concurrent requests" if o.reference else None,
+              "workloads": {}}
+    sides = [("ours", our_server)] + ([("reference", reference_server)] if o.reference else [])
+    for side, start in sides:
+        srv = start(o, log_dir)
+        try:
+            srv.wait_healthy(o.startup_timeout)
+            for wl in o.workloads:
+                res = asyncio.run(run_workload(srv.url, wl, pages, o))
+                report["workloads"].setdefault(wl, {})[side] = res
+                log.info("%s %s: %s", side, wl, json.dumps(res))
+        finally:
+            srv.stop()
+    for wl, r in report["workloads"].items():
+        if "ours" in r and "reference" in r and r["reference"].get("requests_per_s"):
+            r["speedup_requests_per_s"] = r["ours"]["requests_per_s"] / r["reference"]["requests_per_s"]
+            if r["ours"].get("e2e_avg_s") and r["reference"].get("e2e_avg_s"):
+                r["speedup_e2e_avg"] = r["reference"]["e2e_avg_s"] / r["ours"]["e2e_avg_s"]
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"bench serve: device {report['device']} dtype {report['dtype']} model {report['model']} "
+          f"pages {report['image_size']}, {report['output_tokens_per_request']} output tokens per request (ignore_eos)")
+
+    def fmt(r):
+        if r is None:
+            return "n/a"
+        s = f"{r['requests'] - r['failed']}/{r['requests']} ok, {r['requests_per_s']:.2f} req/s, " \
+            f"{r['output_tokens_per_s']:.0f} out tok/s"
+        if "e2e_avg_s" in r:
+            s += f", e2e avg/P50/P95 {r['e2e_avg_s']:.3f}/{r['e2e_p50_s']:.3f}/{r['e2e_p95_s']:.3f} s"
+        if "ttft_avg_s" in r:
+            s += f", TTFT avg/P50/P95 {r['ttft_avg_s']:.3f}/{r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f} s"
+        return s
+    for wl, r in report["workloads"].items():
+        print(f"  {wl:6s} ours:         {fmt(r.get('ours'))}")
+        if "reference" in r:
+            print(f"  {wl:6s} transformers: {fmt(r.get('reference'))}")
+        if "speedup_requests_per_s" in r:
+            print(f"  {wl:6s} ours / transformers: x{r['speedup_requests_per_s']:.2f} requests/s"
+                  + (f", x{r['speedup_e2e_avg']:.2f} average e2e latency" if "speedup_e2e_avg" in r else ""))
+
+
+def run_cli(ns) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per request otherwise
+    o = options_from_args(ns)
+    log_dir = os.path.dirname(os.path.abspath(o.json_out)) if o.json_out else os.getcwd()
+    report = run_serve_bench(o, log_dir)
+    print_report(report)
+    if o.json_out:
+        with open(o.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {o.json_out}")
+    return 0 if all(r.get("failed", 0) == 0 for wr in report["workloads"].values()
+                    for r in wr.values() if isinstance(r, dict)) else 1
