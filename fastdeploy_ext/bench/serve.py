@@ -55,7 +55,8 @@ class ServeBenchOptions:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model dir (with tokenizer; the reference loads it too)")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
-                   help="dummy: random weights, ours only (the reference needs the same weights: --model)")
+                   help="dummy: random 0.9B weights (with the reference: written once to a temporary model dir "
+                        "with a byte-level tokenizer, loaded by both sides)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--server-args", default="", help='more flags for our server, one string, e.g. '
@@ -81,9 +82,7 @@ def options_from_args(ns) -> ServeBenchOptions:
         raise BenchError(f"--image-size must be WxH, got {ns.image_size!r}") from None
     if ns.load_format != "dummy" and not ns.model:
         raise BenchError("--model DIR is required (or --load-format dummy, which runs ours only)")
-    reference = not ns.no_reference and ns.load_format != "dummy"
-    if not ns.no_reference and not reference:
-        log.info("reference skipped: --load-format dummy has no weights transformers could load")
+    reference = not ns.no_reference
     for name in ("output_tokens", "single_requests", "c32_requests", "reference_max_batch"):
         if getattr(ns, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
@@ -239,6 +238,14 @@ async def run_workload(url: str, name: str, pages: list[bytes], o: ServeBenchOpt
 
 
 def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
+    import dataclasses
+    import shutil
+    if o.reference and o.model is None:
+        tmp = write_random_model_dir()
+        try:
+            return run_serve_bench(dataclasses.replace(o, model=tmp, load_format="auto"), log_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     from .generate import synthetic_png
     w, h = o.image_size
     n_pages = max(o.c32_requests, 32, o.single_requests)
@@ -302,3 +309,37 @@ def run_cli(ns) -> int:
         print(f"wrote {o.json_out}")
     return 0 if all(r.get("failed", 0) == 0 for wr in report["workloads"].values()
                     for r in wr.values() if isinstance(r, dict)) else 1
+
+
+def write_random_model_dir() -> str:
+    """For --load-format dummy with the reference: random 0.9B weights saved once (both sides
+    load the same dir) plus a byte-level tokenizer.json whose special tokens have config.json's
+    ids (the built-in tokenizer's scheme, as a file transformers-free code and ours both read)
+    and the released chat template."""
+    import tempfile
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration
+
+    from ..models.paddleocr_vl.config import PaddleOCRVLConfig as OurConfig
+    from ..models.paddleocr_vl.tokenizer import DEFAULT_CHAT_TEMPLATE, builtin_special_tokens
+    path = tempfile.mkdtemp(prefix="fdx-bench-serve-")
+    torch.manual_seed(0)
+    PaddleOCRVLForConditionalGeneration(PaddleOCRVLConfig()).eval().save_pretrained(path)
+    specials = builtin_special_tokens(OurConfig.from_model_dir(path))
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    taken = set(specials.values())
+    ids = (i for i in range(3, 10 ** 6) if i not in taken)
+    vocab = {c: next(ids) for c in sorted(byte_chars)}
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(DEFAULT_CHAT_TEMPLATE)
+    log.info("random 0.9B checkpoint with a byte-level tokenizer written to %s (both sides load it)", path)
+    return path
