@@ -147,6 +147,7 @@ RUNS: dict[str, RunKind] = {
     "unit": RunKind(needs_paths=True),
     "paddle": RunKind(needs_paths=True),
     "oot": RunKind(needs_paths=True),
+    "serve": RunKind(needs_paths=True),
     "conformance": RunKind(needs_backend=True, target=("--pyargs", "fastdeploy_ext.conformance")),
     "encode": RunKind(needs_backend=True, target=("ci/legs/test_encode_smoke.py",)),
     "generate": RunKind(needs_backend=True, target=("ci/legs/test_generate_smoke.py",)),
