@@ -173,3 +173,36 @@ def test_decode_rope_position_uses_the_delta(runners, refs, image):
     assert (good - want).abs().max().item() <= TOL
     # a shift of 4 positions moves the logits by ~4e-3 here: 40x the tolerance
     assert (bad - want).abs().max().item() > 10 * TOL
+
+
+def test_kv_spec_profile_and_step_errors(runners):
+    """The runner's generation surface: KV spec from the row, a positive peak estimate that grows
+    with the step, and every StepBatch guard firing with a message naming the sequence."""
+    from fastdeploy_ext.text_runner import StepError
+    r = runners["tied"]
+    spec = r.kv_cache_spec()
+    assert (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (16, 2, 2, 32, torch.float32)
+    assert spec.bytes_per_block == 2 * 2 * 16 * 2 * 32 * 4
+    small, big = r.profile_peak_memory(256, 1024), r.profile_peak_memory(4096, 1024)
+    assert 0 < small < big
+    r.free_kv_cache()
+    with pytest.raises(RuntimeError, match="init_kv_cache"):
+        r.execute(StepBatch(True, [SeqStep(0, [1, 2], 0, [0], None)]))
+    r.init_kv_cache(4)
+    bad = {
+        "no tokens": StepBatch(True, [SeqStep(3, [], 0, [0], None)]),
+        "exactly one token": StepBatch(False, [SeqStep(3, [1, 2], 5, [0], None)]),
+        "need 2 blocks": StepBatch(True, [SeqStep(3, list(range(20)), 0, [0], None)]),
+        "outside the pool": StepBatch(True, [SeqStep(3, [1, 2], 0, [9], None)]),
+        "rope_positions must be": StepBatch(True, [SeqStep(3, [1, 2], 0, [0], torch.zeros(3, 5, dtype=torch.long))]),
+        "image placeholder tokens": StepBatch(True, [SeqStep(3, [1, 3, 3], 0, [0], None,
+                                                             image_embeds=torch.zeros(3, 64))]),
+        "empty StepBatch": StepBatch(True, []),
+    }
+    for msg, step in bad.items():
+        with pytest.raises(StepError, match=msg):
+            r.execute(step)
+    # and the runner is still healthy
+    assert r.execute(StepBatch(True, [SeqStep(0, [1, 2], 0, [0], None)])).shape == (1, 320)
+    with pytest.raises(ValueError, match="at least one block"):
+        r.init_kv_cache(0)
