@@ -286,7 +286,8 @@ def test_metrics_on_both_ports(srv, images):
                      "fastdeploy:time_to_first_token_seconds_bucket", "fastdeploy:e2e_request_latency_seconds_count",
                      "fastdeploy:time_per_output_token_seconds_count", "fastdeploy:gpu_cache_usage_perc",
                      "fastdeploy_ext:preprocess_time_seconds_count", "fastdeploy_ext:vision_encode_time_seconds_count",
-                     "fastdeploy_ext:graph_hits_total", "fastdeploy_ext:graph_fallbacks_total",
+                     "fastdeploy_ext:decoder_graph_hits_total", "fastdeploy_ext:decoder_graph_fallbacks_total",
+                     "fastdeploy_ext:encoder_graph_hits_total", "fastdeploy_ext:encoder_graph_fallbacks_total",
                      'fastdeploy_ext:requests_total{status="bad_request"}'):
             assert name in text, name
     assert srv.metric("fastdeploy:request_success_total") > 0

@@ -58,6 +58,8 @@ class EngineStats:
     vision_s: float                # host time in vision passes
     vision_passes: int
     max_prefill: bool
+    encoder_graph_hits: int = 0    # packed vision passes replayed from an encoder graph
+    encoder_graph_fallbacks: int = 0   # images run eagerly (no captured budget fits them)
 
 
 class LLMEngine:
@@ -351,6 +353,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c = self._counters
         text = getattr(self.runner, "text", None)       # the runner's decode side (graph counters)
+        enc = getattr(getattr(self.runner, "graphs", None), "stats", None)   # encoder graphs, when captured
         with self._lock:
             pre = len(self._pending)
         bm = self.block_manager
@@ -359,7 +362,9 @@ class LLMEngine:
                            kv_usage=bm.usage, block_size=bm.block_size, num_preemptions=self.scheduler.num_preemptions,
                            graph_hits=int(getattr(text, "graph_hits", 0)),
                            graph_fallbacks=int(getattr(text, "graph_fallbacks", 0)),
-                           max_prefill=bool(self.max_prefill.value), **c)
+                           max_prefill=bool(self.max_prefill.value),
+                           encoder_graph_hits=int(getattr(enc, "hits", 0)),
+                           encoder_graph_fallbacks=int(getattr(enc, "fallbacks", 0)), **c)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ... import envs
+from ...engine.errors import EngineDead
 from .. import args as shared_args
 from ..args import CliError
 from . import cli_args, protocol
@@ -221,6 +222,8 @@ def build_app(state: ServerState) -> FastAPI:
         except _Disconnected:
             state.metrics.outcome("cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
+        except EngineDead as e:                  # the watchdog is about to exit the process
+            raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from None
         finally:
             disconnected.cancel()
         if isinstance(result, dict):

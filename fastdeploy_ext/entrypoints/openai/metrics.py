@@ -43,14 +43,17 @@ class _EngineCollector:
         yield g("fastdeploy_ext:kv_blocks_used", "KV-cache blocks in use", s.kv_blocks_used)
         yield g("fastdeploy_ext:num_requests_preprocessing", "Requests in the preprocessing worker pool",
                 s.num_preprocessing)
-        counters = (("graph_hits", "Steps that replayed a captured graph (encoder and decoder)"),
-                    ("graph_fallbacks", "Steps that ran eagerly where a graph path exists"),
+        counters = (("graph_hits", "Decode steps that replayed a captured decoder graph"),
+                    ("graph_fallbacks", "Decode steps that ran eagerly (no captured batch size fits)"),
+                    ("encoder_graph_hits", "Packed vision passes replayed from a captured encoder graph"),
+                    ("encoder_graph_fallbacks", "Images encoded eagerly (no captured token budget fits)"),
                     ("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks"),
                     ("preprocess_s", "Seconds spent preprocessing requests (worker pool, summed)"),
                     ("vision_s", "Seconds spent in vision encoder passes"),
                     ("vision_passes", "Vision encoder passes"))
         for attr, doc in counters:
-            name = {"preprocess_s": "preprocess_seconds", "vision_s": "vision_seconds"}.get(attr, attr)
+            name = {"preprocess_s": "preprocess_seconds", "vision_s": "vision_seconds",
+                    "graph_hits": "decoder_graph_hits", "graph_fallbacks": "decoder_graph_fallbacks"}.get(attr, attr)
             c = CounterMetricFamily(f"fastdeploy_ext:{name}", doc)
             c.add_metric([], float(getattr(s, attr)))
             yield c
