@@ -379,8 +379,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m fastdeploy_ext.en
 
 
 def serve_from_namespace(ns: argparse.Namespace, prog: str = "fastdeploy-ext serve") -> int:
+    from ...runner import emulated_backends
     try:
-        return run_server(ns)
+        try:
+            emulation = emulated_backends(envs.FD_EMULATE.get())
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        with emulation:     # FD_EMULATE=metax: the backend's own fakes, as for every other command
+            return run_server(ns)
     except CliError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
