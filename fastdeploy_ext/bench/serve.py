@@ -171,7 +171,10 @@ async def _one(client, url: str, body: dict) -> Sample:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])
-                if ev.get("choices") and ttft is None and ev["choices"][0].get("delta", {}).get("content"):
+                # the first chunk with a choice: ours sends it when the first token exists (the
+                # role chunk waits for it), the reference with its first token; random weights
+                # often decode to empty text, so content is not required
+                if ev.get("choices") and ttft is None:
                     ttft = time.perf_counter() - t0
                 if ev.get("usage"):
                     tokens = ev["usage"]["completion_tokens"]
