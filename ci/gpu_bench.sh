@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One GPU call for the end-to-end figures (H200): bench vision of this tree against an older commit
+# carried as a wheel (both measured in the same call), the full-size text parity check, bench
+# generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
+# .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
+#   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+FDX="python3 -m fastdeploy_ext.entrypoints.cli"
+steps=" ${*:-vision parity generate serve} "
+log="$OUT/gpu_bench.txt"
+{ echo "commit: ${FDX_COMMIT:-unknown}  old: ${OLD_COMMIT:-none}  $(date -u +%FT%TZ)"
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+  $FDX info --device cuda; $FDX info --device cpu_amx
+  ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 $FDX info --device cpu_amx | grep -E "row|amx|AMX" | head -5
+  FD_EMULATE=metax $FDX info --device metax | head -12; } > "$OUT/info.txt" 2>&1
+WL=page,blocks16,block8x40,small64
+if [[ $steps == *" vision "* ]]; then
+  if ls .whl_old/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/old .whl_old/*.whl
+    echo "### OLD ${OLD_COMMIT:-} bench vision" >> "$log"
+    (cd /tmp && PYTHONPATH=/tmp/old:/tmp/site timeout 150 $FDX bench vision --load-format dummy --device cuda \
+      --workloads $WL --variants strided/host/fused,strided/host/graph+fused --no-reference --iters 7 >> "$log" 2>&1)
+  fi
+  echo "### NEW ${FDX_COMMIT:-} bench vision" >> "$log"
+  timeout 200 $FDX bench vision --load-format dummy --device cuda --workloads $WL --iters 7 \
+    --variants strided/host/fused,strided/host/graph+fused,triton:strided/host/fused,triton:strided/host/graph+fused \
+    --json-out "$OUT/bench_vision.json" >> "$log" 2>&1
+fi
+if [[ $steps == *" parity "* ]]; then
+  echo "### text parity" >> "$log"
+  timeout 90 python3 ci/text_parity_check.py --out "$OUT/text_parity.json" >> "$log" 2>&1
+fi
+if [[ $steps == *" generate "* ]]; then
+  echo "### bench generate" >> "$log"
+  timeout ${GENERATE_TIMEOUT:-200} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 \
+    --json-out "$OUT/bench_generate.json" ${GENERATE_ARGS:-} >> "$log" 2>&1
+fi
+if [[ $steps == *" serve "* ]]; then
+  echo "### bench serve" >> "$log"
+  timeout ${SERVE_TIMEOUT:-220} $FDX bench serve --load-format dummy --device cuda --dtype bfloat16 \
+    --output-tokens 512 --image-size 1920x1080 ${SERVE_ARGS:---workloads single,4x8,c32 --single-requests 2 --c32-requests 64} \
+    --server-args "--max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.8" \
+    --startup-timeout 200 --json-out "$OUT/bench_serve.json" >> "$log" 2>&1
+fi
+grep -vE "^\s*$" "$log" | tail -120
