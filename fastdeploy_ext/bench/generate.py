@@ -23,7 +23,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -235,7 +235,18 @@ class TransformersReference:
 
 
 # ------------------------------------------------------------------ the run
+# The reference runs in this process on the same GPU: its weights, KV cache and a 32-page vision
+# pass need tens of GiB, which a KV pool sized at 0.9 of the card leaves no room for (measured on
+# the H200: the reference's first pages64 batch ran out of memory).
+REFERENCE_GPU_SHARE = 0.5
+
+
 def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict:
+    if opts.reference and config.gpu_memory_utilization > REFERENCE_GPU_SHARE:
+        log.info("bench generate: the transformers reference shares the device: our KV pool sized at "
+                 "--gpu-memory-utilization %.2f instead of %.2f (--no-reference keeps yours)",
+                 REFERENCE_GPU_SHARE, config.gpu_memory_utilization)
+        config = replace(config, gpu_memory_utilization=REFERENCE_GPU_SHARE)
     engine = LLMEngine(config)
     device = torch.device(engine.runner.device)
     dtype = engine.runner.dtype
