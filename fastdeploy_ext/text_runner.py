@@ -211,6 +211,11 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.scratch * bs, dtype=torch.int64, device=dev)
         self.tables = torch.full((n, self.max_blocks), self.scratch, dtype=torch.int32, device=dev)
         self.ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        # Every device tensor a graph reads must outlive the capture: a tensor made for one
+        # capture and then dropped returns to the allocator, is handed to the next step's
+        # tensors, and the replay indexes with whatever they hold (seen on the H200 as index
+        # asserts at decode batches > 1). So the logits rows are a persistent buffer too.
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
 
@@ -218,7 +223,12 @@ class DecodeGraphs:
         meta = PagedStepMeta(False, self.slots[:b], self.tables[:b], self.ctx[:b], [1] * b, [0] * b,
                              self.r.block_size, max_context_len=self.max_model_len,
                              extras={"graph_max_context": self.max_model_len})
-        return StepInputs(self.ids[:b], self.pos[:b], None, None, torch.arange(b, device=self.r.device), meta)
+        return StepInputs(self.ids[:b], self.pos[:b], None, None, self.rows[:b], meta)
+
+    def persistent_storages(self) -> set[int]:
+        """Data pointers of the buffers replays read (tests check _inputs uses nothing else)."""
+        return {t.untyped_storage().data_ptr() for t in (self.ids, self.pos, self.slots, self.tables, self.ctx,
+                                                         self.rows)}
 
     def capture(self) -> dict:
         t0 = time.perf_counter()

@@ -188,7 +188,10 @@ def request_body(png: bytes, tokens: int) -> dict:
     return {"model": "bench", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "OCR:"}]}],
         "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
+        "stream_options": {"include_usage": True},
+        # random weights repeat themselves: without this the repetition-loop guard ends requests
+        # early (the H200 run's single requests stopped short of 512 tokens)
+        "repetition_guard": {"enabled": False}}
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -113,9 +113,11 @@ def test_guard_fires_on_each_sync_injected_into_the_host_builder(name, checked, 
 
 
 def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner, batch_for):
-    """The reference (device metadata) path reads sizes back; the guard must see it."""
+    """The reference (device metadata) path reads sizes back; the guard must see it. On a CUDA
+    device set_sync_debug_mode('error') may name the sync before the op-level guard does (seen on
+    the H200 for metax emulated there): either one is the guard firing."""
     checked = make_runner(tiny_models["torch"], grid_thw="device").sync_check_runner()
-    with pytest.raises(HostSyncError, match="host sync"):
+    with pytest.raises((HostSyncError, RuntimeError), match="host sync|synchronizing CUDA operation"):
         with checked.sync_guard():
             checked.encode_images(batch_for(tiny_models["torch"], 1))
 
