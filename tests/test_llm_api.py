@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdeploy_ext import LLM, SamplingParams
+from fastdeploy_ext import LLM
 from fastdeploy_ext.engine.errors import InvalidRequest
 from fastdeploy_ext.engine.input_processor import InputLimits, InputProcessor
 from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor

@@ -4,7 +4,6 @@ kernels. Every test asserts what the CPU at hand can show (AVX2-only, AVX-512 or
 AVX2-only case is also simulated (FD_CPUINFO + ONEDNN_MAX_CPU_ISA=AVX2 + ATEN_CPU_CAPABILITY=avx2)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess

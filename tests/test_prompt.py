@@ -7,8 +7,7 @@ import torch
 
 from fastdeploy_ext.models.paddleocr_vl.config import PaddleOCRVLConfig
 from fastdeploy_ext.models.paddleocr_vl.prompt import PromptError, TASK_PROMPTS, build_prompt, rope_index
-from fastdeploy_ext.models.paddleocr_vl.tokenizer import (ByteTokenizer, TokenizerError, builtin_special_tokens,
-                                                          load_chat_template, load_tokenizer)
+from fastdeploy_ext.models.paddleocr_vl.tokenizer import (ByteTokenizer, TokenizerError, load_chat_template, load_tokenizer)
 
 CFG = PaddleOCRVLConfig()
 RELEASED_RENDER = "<|begin_of_sentence|>User: <|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>OCR:\nAssistant: "
@@ -36,7 +35,7 @@ def test_byte_tokenizer_maps_specials_to_config_ids_and_round_trips():
 
 
 def _hf_rope_index(ids, grids):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import PaddleOCRVLConfig as HFConfig
     from transformers.models.paddleocr_vl.modeling_paddleocr_vl import PaddleOCRVLModel
     t = torch.tensor([ids])

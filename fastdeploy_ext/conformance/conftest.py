@@ -4,7 +4,6 @@ the expected outputs. Nothing here needs transformers; a missing reference fails
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ..plan import PlanRequest
 from ..runner import get_backend_class

@@ -67,7 +67,6 @@ class MediaFetcher:
                               param="messages", code="image_too_large")
 
     async def _fetch_http(self, url: str, label: str) -> bytes:
-        cap = self.policy.max_bytes
         try:
             async with self._http().stream("GET", url) as r:
                 if r.status_code != 200:

@@ -181,30 +181,12 @@ def load_vision(model_dir: str | Path | None, *, dtype: torch.dtype, device: tor
         n = sum(1 for _ in model.parameters())
         return model, cfg, LoadReport(None, (), "random", "--load-format dummy: random weights", n)
 
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: model directory does not exist")
-    cfg = cfg or PaddleOCRVLConfig.from_model_dir(model_dir)
-    files = safetensors_files(model_dir)
-    tensors = dict(_iter_tensors(files, _wanted))
-    layout, reason = detect_layout(tensors, cfg, model_format)
-    try:
-        state = _to_ours(tensors, cfg, layout)
-    except KeyError as e:
-        raise CheckpointError(f"{model_dir}: tensor {e.args[0]} is missing from the checkpoint") from None
-    if tensors:
-        log.info("ignoring %d unused vision tensors, e.g. %s", len(tensors), next(iter(tensors)))
-    model = build_vision_model(cfg)
-    expected = dict(model.state_dict())
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{model_dir}: tensor for {name} has shape {list(t.shape)}, "
-                                  f"config.json implies {list(expected[name].shape)}")
-    state = {k: v.to(dtype=dtype).contiguous() for k, v in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
+    ckpt = _Checkpoint.open(model_dir, cfg, model_format, _wanted, "vision")
+    model = build_vision_model(ckpt.cfg)
+    n = ckpt.assign(model, _to_ours, dtype)
     model = model.to(device=device).eval()
-    log.info("loaded %d tensors from %d file(s) in %s layout (%s)", len(state), len(files), layout, reason)
-    return model, cfg, LoadReport(str(model_dir), tuple(str(f) for f in files), layout, reason, len(state))
+    log.info("loaded %d tensors from %d file(s) in %s layout (%s)", n, len(ckpt.files), ckpt.layout, ckpt.reason)
+    return model, ckpt.cfg, ckpt.report(n)
 
 
 def _text_to_ours(tensors: dict[str, torch.Tensor], cfg: PaddleOCRVLConfig, layout: str) -> dict[str, torch.Tensor]:
@@ -259,32 +241,61 @@ def load_text(model_dir: str | Path | None, *, dtype: torch.dtype, device: torch
         n = sum(1 for _ in model.parameters())
         return model, cfg, LoadReport(None, (), "random", "--load-format dummy: random weights", n)
 
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: model directory does not exist")
-    cfg = cfg or PaddleOCRVLConfig.from_model_dir(model_dir)
-    files = safetensors_files(model_dir)
-    tensors = dict(_iter_tensors(files, _wanted_text))
-    layout, reason = detect_layout(tensors, cfg, model_format, key=_TEXT_KEY)
-    tied = "lm_head.weight" not in tensors
-    try:
-        state = _text_to_ours(tensors, cfg, layout)
-    except KeyError as e:
-        raise CheckpointError(f"{model_dir}: tensor {e.args[0]} is missing from the checkpoint") from None
-    if tensors:
-        log.info("ignoring %d unused text tensors, e.g. %s", len(tensors), next(iter(tensors)))
-    model = build_text_model(cfg, tied)
-    expected = dict(model.state_dict())
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{model_dir}: tensor for {name} has shape {list(t.shape)}, "
-                                  f"config.json implies {list(expected[name].shape)}")
-    state = {k: v.to(dtype=dtype).contiguous() for k, v in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
+    ckpt = _Checkpoint.open(model_dir, cfg, model_format, _wanted_text, "text", key=_TEXT_KEY)
+    tied = "lm_head.weight" not in ckpt.tensors
+    model = build_text_model(ckpt.cfg, tied)
+    n = ckpt.assign(model, _text_to_ours, dtype)
     model = _finish_text(model, device)
     head = "tied to the embeddings (no lm_head.weight)" if tied else "untied (lm_head.weight present)"
-    log.info("loaded the text decoder: %d tensors, %s layout, LM head %s", len(state), layout, head)
-    return model, cfg, LoadReport(str(model_dir), tuple(str(f) for f in files), layout, reason, len(state))
+    log.info("loaded the text decoder: %d tensors, %s layout, LM head %s", n, ckpt.layout, head)
+    return model, ckpt.cfg, ckpt.report(n)
+
+
+@dataclass
+class _Checkpoint:
+    """One part's tensors read from a model dir, with the layout they are in: the steps the
+    vision and text loaders share (find the files, detect the layout, convert the names and
+    layouts, check every shape against the config, load)."""
+    model_dir: Path
+    cfg: PaddleOCRVLConfig
+    files: list[Path]
+    tensors: dict[str, torch.Tensor]
+    layout: str
+    reason: str
+    part: str
+
+    @classmethod
+    def open(cls, model_dir: str | Path, cfg: PaddleOCRVLConfig | None, model_format: ModelFormat, wanted,
+             part: str, **layout_kw) -> "_Checkpoint":
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: model directory does not exist")
+        cfg = cfg or PaddleOCRVLConfig.from_model_dir(model_dir)
+        files = safetensors_files(model_dir)
+        tensors = dict(_iter_tensors(files, wanted))
+        layout, reason = detect_layout(tensors, cfg, model_format, **layout_kw)
+        return cls(model_dir, cfg, files, tensors, layout, reason, part)
+
+    def assign(self, model: torch.nn.Module, convert, dtype: torch.dtype) -> int:
+        """convert(tensors, cfg, layout) -> our state dict (it pops what it uses); the shapes
+        are checked against ``model`` before its parameters are replaced. Returns the count."""
+        try:
+            state = convert(self.tensors, self.cfg, self.layout)
+        except KeyError as e:
+            raise CheckpointError(f"{self.model_dir}: tensor {e.args[0]} is missing from the checkpoint") from None
+        if self.tensors:
+            log.info("ignoring %d unused %s tensors, e.g. %s", len(self.tensors), self.part, next(iter(self.tensors)))
+        expected = dict(model.state_dict())
+        for name, t in state.items():
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise CheckpointError(f"{self.model_dir}: tensor for {name} has shape {list(t.shape)}, "
+                                      f"config.json implies {list(expected[name].shape)}")
+        state = {k: v.to(dtype=dtype).contiguous() for k, v in state.items()}
+        model.load_state_dict(state, assign=True, strict=True)
+        return len(state)
+
+    def report(self, n: int) -> LoadReport:
+        return LoadReport(str(self.model_dir), tuple(str(f) for f in self.files), self.layout, self.reason, n)
 
 
 def _random_init(model: torch.nn.Module, seed: int) -> None:
