@@ -239,13 +239,13 @@ class ChatHandler:
             run.done = True
             raise APIError(500, "the engine ended the request without an output") from None
 
-    def _observe(self, out, t0: float, t_first: float | None, gaps: list[float]) -> None:
+    def _observe(self, out, t0: float, clock: "_TokenClock") -> None:
         m, name = self.ctx.metrics, self.model_name
         n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
         m.e2e.labels(name).observe(time.monotonic() - t0)
-        if t_first is not None:
-            m.ttft.labels(name).observe(t_first - t0)
-        for g in gaps:
+        if clock.first is not None:
+            m.ttft.labels(name).observe(clock.first - t0)
+        for g in clock.gaps:
             m.tpot.labels(name).observe(g)
         m.prompt_tokens.labels(name).inc(n_prompt)
         m.generation_tokens.labels(name).inc(n_out)
@@ -265,24 +265,15 @@ class ChatHandler:
         return {"content": self.ctx.logprob_formatter.entries(records or [], req.top_logprobs or 0)}
 
     async def _complete(self, req, run: _Run, out, t0: float, disconnected) -> dict:
-        t_first = time.monotonic() if out.token_ids else None
-        gaps: list[float] = []
-        t_prev, n_prev = t_first, len(out.token_ids)
+        clock = _TokenClock()
+        clock.observe(len(out.token_ids))
         while out.finish_reason is None:
-            nxt = await run.next(disconnected)
-            if nxt is None:
+            out = await run.next(disconnected)
+            if out is None:
                 raise _Disconnected()
-            now = time.monotonic()
-            new = len(nxt.token_ids) - n_prev
-            if new > 0:
-                if t_first is None:
-                    t_first = now
-                elif t_prev is not None:
-                    gaps.extend([(now - t_prev) / new] * new)
-                t_prev, n_prev = now, len(nxt.token_ids)
-            out = nxt
+            clock.observe(len(out.token_ids))
         finish, stop_reason = openai_finish(out.finish_reason, out.stop_reason)
-        self._observe(out, t0, t_first, gaps)
+        self._observe(out, t0, clock)
         return protocol.chat_completion(run.rid, req.model or self.model_name, int(time.time()), out.text, finish,
                                         stop_reason, self._logprobs(req, out.logprobs),
                                         protocol.usage(len(out.prompt_token_ids), len(out.token_ids)))
@@ -295,16 +286,9 @@ class ChatHandler:
         status = "cancelled"
         try:
             yield sse(chunk({"role": "assistant", "content": ""}))
-            out, n_sent, t_first, t_prev, gaps = first, 0, None, None, []
+            out, n_sent, clock = first, 0, _TokenClock()
             while True:
-                now = time.monotonic()
-                new_ids = len(out.token_ids) - n_sent
-                if new_ids > 0:
-                    if t_first is None:
-                        t_first = now
-                    elif t_prev is not None:
-                        gaps.extend([(now - t_prev) / new_ids] * new_ids)
-                    t_prev = now
+                new_ids = clock.observe(len(out.token_ids))
                 finish, stop_reason = openai_finish(out.finish_reason, out.stop_reason)
                 if out.delta_text or new_ids > 0 or finish is not None:
                     lp = self._logprobs(req, (out.logprobs or [])[n_sent:]) if new_ids > 0 else None
@@ -320,7 +304,7 @@ class ChatHandler:
                     yield sse(e.body())
                     yield sse("[DONE]")
                     return
-            self._observe(out, t0, t_first, gaps)
+            self._observe(out, t0, clock)
             status = "ok"
             if include_usage:
                 yield sse(chunk(None, use=protocol.usage(len(out.prompt_token_ids), len(out.token_ids))))
@@ -332,6 +316,29 @@ class ChatHandler:
             if status != "ok":
                 self.ctx.metrics.outcome(status)
             run.close()
+
+
+class _TokenClock:
+    """Time to first token and inter-token gaps, from the cumulative token counts of a request's
+    outputs as they arrive (a step that brings k tokens counts k gaps of 1/k of its wait)."""
+
+    def __init__(self):
+        self.first: float | None = None
+        self.prev: float | None = None
+        self.count = 0
+        self.gaps: list[float] = []
+
+    def observe(self, n_tokens: int) -> int:
+        """Record the output seen now; returns how many tokens it added."""
+        new = n_tokens - self.count
+        if new > 0:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = now
+            else:
+                self.gaps.extend([(now - self.prev) / new] * new)
+            self.prev, self.count = now, n_tokens
+        return new
 
 
 class _Disconnected(Exception):
