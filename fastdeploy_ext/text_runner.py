@@ -16,6 +16,7 @@ import torch
 from .engine.step import KVCacheSpec, StepBatch
 from .models.paddleocr_vl.text import ErnieTextModel
 from .ops.attention.paged import KVCache, PagedAttentionBackend, PagedStepMeta
+from .transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,7 @@ class TextStepRunner:
 
     # ---------------------------------------------------------------- host -> device
     def upload(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return upload(t, self.device)
 
     def _check(self, step: StepBatch) -> None:
         if self.kv is None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ...ops.pos_embed import LFUCache, resample, taps_and_weights
 from ...ops.rotary import RotaryTable
+from ...transfer import upload
 
 if TYPE_CHECKING:
     from ...ops.attention.varlen import VarlenAttention
@@ -84,9 +85,7 @@ class MetadataBuilder:
 
     # ---------------------------------------------------------------- host path
     def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return cpu.pin_memory().to(self.device, non_blocking=True)
-        return cpu.to(self.device)
+        return upload(cpu, self.device)
 
     def _per_image_tables(self, h: int, w: int):
         """(pos_embed [h*w, D], cos, sin, merge order) for one frame of size h x w: the first
