@@ -60,3 +60,30 @@ def test_check_fires_on_a_per_capture_tensor(monkeypatch):
         return dataclasses.replace(orig(self, b), logits_index=torch.arange(b))
     monkeypatch.setattr(DecodeGraphs, "_inputs", per_capture_rows)
     assert _transient(dg, 4) == ["StepInputs.logits_index"]
+
+
+def _decode_step(rows):
+    from fastdeploy_ext.engine.step import SeqStep, StepBatch
+    return StepBatch(False, [SeqStep(i, [tok], start, table, None, rope_delta=delta)
+                             for i, (tok, start, table, delta) in enumerate(rows)])
+
+
+def test_staged_inputs_equal_the_eager_step_inputs():
+    """What a replay uploads (host staging, numpy writes) equals what the eager step builds, and
+    rows past the batch are padding (scratch slot and block, context 1) even where a larger batch
+    left real values there before."""
+    dg = _graphs()
+    bs, scratch = dg.r.block_size, dg.scratch
+    big = _decode_step([(5, 40, [3, 1, 6], -7), (9, 3, [2], 0), (11, 17, [7, 0], -2), (12, 33, [4, 5, 0], 1)])
+    dg.stage(big, 4)
+    step = _decode_step([(21, 20, [6, 2], -4), (22, 47, [1, 3, 5], 3)])
+    dg.stage(step, 4)                       # rows 2, 3 held big's values
+    ref = dg.r.build_inputs(step)
+    assert dg.h_scalars[0, :2].tolist() == ref.token_ids.tolist()
+    assert dg.h_scalars[1, :2].tolist() == ref.positions.tolist()
+    assert dg.h_scalars[2, :2].tolist() == ref.meta.slot_mapping.tolist() == [2 * bs + 4, 5 * bs + 15]
+    assert dg.h_ctx[:2].tolist() == ref.meta.context_lens.tolist() == [21, 48]
+    for i, n in enumerate((2, 3)):
+        assert dg.h_tables[i, :n].tolist() == ref.meta.block_tables[i, :n].tolist()
+    assert dg.h_scalars[:, 2:4].tolist() == [[0, 0], [0, 0], [scratch * bs] * 2]
+    assert dg.h_ctx[2:4].tolist() == [1, 1] and dg.h_tables[2:4, 0].tolist() == [scratch] * 2

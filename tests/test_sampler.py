@@ -119,6 +119,36 @@ def test_repetition_guard_fires_and_can_be_disabled():
     assert s.finish_reason is None
 
 
+def _fires_by_definition(out: list[int], g: RepetitionGuard) -> bool:
+    """The guard's rule from its docstring, by brute force over the output so far."""
+    for p in range(1, g.max_period + 1):
+        span = g.span_needed(p)
+        if len(out) >= span and all(out[-i] == out[-i - p] for i in range(1, span - p + 1)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 200])
+def test_repetition_guard_equals_its_definition(vocab):
+    """The incremental run counters (and their shortcut when the token is new to the window)
+    fire exactly where the brute-force rule does, on streams that loop, break and loop again."""
+    import random
+    g = RepetitionGuard(max_period=6, min_repeats=3, min_span=10)
+    rng = random.Random(vocab)
+    for trial in range(40):
+        toks, pattern = [], [rng.randrange(3, 3 + vocab) for _ in range(rng.randint(1, 6))]
+        while len(toks) < 80:
+            if rng.random() < 0.15:                    # break the loop with a fresh token
+                toks.append(rng.randrange(3, 3 + vocab))
+                pattern = [rng.randrange(3, 3 + vocab) for _ in range(rng.randint(1, 6))]
+            else:
+                toks.append(pattern[len(toks) % len(pattern)])
+        expect = next((i + 1 for i in range(len(toks)) if _fires_by_definition(toks[:i + 1], g)), None)
+        s = feed(make_seq(SamplingParams(max_tokens=100, ignore_eos=True, repetition_guard=g)), toks)
+        got = s.num_output_tokens if s.finish_reason is not None else None
+        assert got == expect, (trial, toks)
+
+
 def test_bad_sampling_params_name_the_field():
     from fastdeploy_ext.engine.errors import InvalidRequest
     for kw, word in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
