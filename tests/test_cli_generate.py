@@ -69,4 +69,12 @@ def test_bench_generate_cpu_reports_both_sides(refs, tmp_path, capsys):
     lines = rep["workloads"]["lines256"]
     assert lines["ours"]["requests"] == 4 and lines["same_tokens_fraction"] == 1.0
     assert rep["kv_blocks_used_at_end"] == 0
-    assert "page1: TTFT" in capsys.readouterr().out
+    # where the time went: the 4 lines are admitted as their preprocessing finishes (1 to 4
+    # prefill steps, one packed vision pass each), then at least 3 decode steps (4 tokens, the
+    # first from the prefill); the parts add up to the wall
+    st, o = lines["ours"]["stages"], lines["ours"]
+    assert 1 <= st["prefill_steps"] == st["vision_passes"] <= 4 and st["decode_steps"] >= 3
+    assert abs(st["prefill_s"] + st["decode_s"] + st["other_s"] - o["wall_s"]) < 1e-6
+    assert st["preprocess_cpu_s"] > 0 and 0 < o["ttft_s"] < o["wall_s"]
+    printed = capsys.readouterr().out
+    assert "page1: TTFT" in printed and "stages: prefill " in printed

@@ -10,7 +10,8 @@ Workloads (greedy, ignore_eos, "OCR:"):
   reference runs a subset at batch --ref-batch; compared per page);
 - lines256: N text-line crops x 64 tokens.
 Also reported: GPU busy % (the backend's utilization reader sampled through each of our runs), peak device
-memory, and whether the reference produced the same tokens (fp32 only; bf16 batching changes
+memory, where our wall time went (prefill steps with their vision passes, decode steps, the rest;
+preprocessing CPU time in the pool), and whether the reference produced the same tokens (fp32 only; bf16 batching changes
 reduction order). On CPU the defaults shrink to the tiny-model scale: page1 and 16 lines.
 """
 from __future__ import annotations
@@ -159,34 +160,61 @@ def _peak(device: torch.device) -> int | None:
 
 def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -> dict:
     """All requests submitted at once (preprocessing in the pool); wall time to the last token,
-    first-token time of the first request, token ids per request."""
+    first-token time of the earliest request, token ids per request, and where the wall time
+    went (see `_stages`)."""
     device = torch.device(getattr(engine.runner, "device", "cpu"))
     _sync(device)
     _reset_peak(device)
     params = bench_params(tokens)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(images))]
-    done, first = {}, None
+    done = {}
+    before = engine.stats()
+    step_s = {"prefill": 0.0, "decode": 0.0}
     with GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
-        t0 = time.perf_counter()
+        t0, t0_epoch = time.perf_counter(), time.time()
         for rid, png in zip(ids, images):
             engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
         while engine.has_unfinished():
+            n_prefill = engine.stats().num_prefill_steps
+            ts = time.perf_counter()
             outs = engine.step()
-            now = time.perf_counter()
+            # a step ends with its sampled ids on the host (a device sync), so its wall time
+            # covers its device work
+            kind = "prefill" if engine.stats().num_prefill_steps > n_prefill else "decode"
+            step_s[kind] += time.perf_counter() - ts
             for o in outs:
-                if first is None and o.token_ids:
-                    first = now - t0
                 if o.finished:
                     done[o.request_id] = o
             if not outs and not engine.has_unfinished_in_engine():
                 time.sleep(0.0005)          # still preprocessing: nothing to run yet
         wall = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in done.values())
-    return {"wall_s": wall, "ttft_s": first, "requests": len(images), "output_tokens": n_out,
-            "requests_per_s": len(images) / wall, "output_tokens_per_s": n_out / wall,
+    firsts = [o.metrics.first_token for o in done.values() if o.metrics.first_token is not None]
+    return {"wall_s": wall, "ttft_s": min(firsts) - t0_epoch if firsts else None, "requests": len(images),
+            "output_tokens": n_out, "requests_per_s": len(images) / wall, "output_tokens_per_s": n_out / wall,
             "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(device),
+            "stages": _stages(before, engine.stats(), step_s, wall),
             "token_ids": [done[r].token_ids for r in ids],
             "kv_blocks_used_after": engine.block_manager.num_used}
+
+
+def _stages(before, after, step_s: dict, wall: float) -> dict:
+    """Where a run's wall time went: prefill steps (their vision passes included), decode steps,
+    and the rest (the step loop waiting for preprocessing, or between steps). Preprocessing is
+    CPU time summed over the worker pool, overlapped with the steps; vision_host_s is the host's
+    time in the vision passes (on CUDA the launches, the device time lands in prefill_s)."""
+    return {"prefill_steps": after.num_prefill_steps - before.num_prefill_steps, "prefill_s": step_s["prefill"],
+            "decode_steps": after.num_decode_steps - before.num_decode_steps, "decode_s": step_s["decode"],
+            "other_s": max(wall - step_s["prefill"] - step_s["decode"], 0.0),
+            "vision_passes": after.vision_passes - before.vision_passes,
+            "vision_host_s": after.vision_s - before.vision_s,
+            "preprocess_cpu_s": after.preprocess_s - before.preprocess_s}
+
+
+def stages_line(st: dict) -> str:
+    return (f"    stages: prefill {st['prefill_s']:.2f} s / {st['prefill_steps']} steps "
+            f"({st['vision_passes']} vision passes) | decode {st['decode_s']:.2f} s / {st['decode_steps']} steps "
+            f"| other {st['other_s']:.2f} s | preprocessing {st['preprocess_cpu_s']:.2f} s of worker CPU (overlapped)")
 
 
 # ------------------------------------------------------------------ the reference
@@ -272,7 +300,8 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
             full = run_ours(engine, pages, opts.prompt, opts.page1_tokens)
             res = {"ours": {"ttft_s": first["wall_s"],
                             "decode_tokens_per_s": (opts.page1_tokens - 1) / (full["wall_s"] - full["ttft_s"]),
-                            "gpu_busy_pct": full["gpu_busy_pct"], "peak_memory_bytes": full["peak_memory_bytes"]}}
+                            "gpu_busy_pct": full["gpu_busy_pct"], "peak_memory_bytes": full["peak_memory_bytes"],
+                            "stages": full["stages"]}}
             if ref:
                 t1, _ = ref.generate(pages, opts.prompt, 1)
                 tn, ref_ids = ref.generate(pages, opts.prompt, opts.page1_tokens)
@@ -328,6 +357,8 @@ def print_report(report: dict) -> None:
                          f"{ref['requests_per_s']:.2f} req/s | x{r['speedup_per_request']:.2f} per request, "
                          f"same tokens: {_same(r['same_tokens_fraction'])}")
         print(line + f" | GPU busy {busy}, peak {mem}")
+        if o.get("stages"):
+            print(stages_line(o["stages"]))
 
 
 def run_cli(config: EngineConfig, opts: GenerateBenchOptions) -> int:
