@@ -6,6 +6,8 @@ Today's fallbacks:
   Triton interpreter with CUDA tensors): q/k rotary and residual+LayerNorm run as ATen ops;
 * fused layers on CUDA with a torch lacking the private ``_addmm_activation``: fc1's tanh GELU
   is its own kernel instead of cuBLASLt's epilogue;
+* bf16 on a CPU where oneDNN's linear with a GELU post-op does not run: fc1's GELU is its own
+  ATen op;
 * whatever the device probe could not find out (e.g. the GPU driver-version query failing):
   the probe's ``notes``.
 
@@ -27,6 +29,25 @@ def log_once(message: str) -> None:
     """Log ``message`` at WARNING the first time this process sees it (functools.cache: the
     memo of what was said is the only state)."""
     log.warning("%s", message)
+
+
+def onednn_gelu_unfused_note(why: str) -> str:
+    return f"bf16 on CPU: fc1's GELU runs as its own ATen op, not oneDNN's GEMM post-op ({why})"
+
+
+@functools.cache
+def onednn_linear_gelu_usable(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether oneDNN's linear with a GELU post-op runs here in ``dtype`` (tried once per process
+    on a tiny problem: a CPU without native bf16 may lack the primitive)."""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False, "this torch has no oneDNN linear_pointwise op"
+    try:
+        x = torch.ones(4, 16, dtype=dtype)
+        op(x, torch.ones(8, 16, dtype=dtype), torch.zeros(8, dtype=dtype), "gelu", [], "tanh")
+    except RuntimeError as e:
+        return False, f"oneDNN refused a {dtype} linear+GELU here ({str(e).splitlines()[0][:120]})"
+    return True, "oneDNN linear with a GELU post-op"
 
 
 def rotary_aten_note(why: str) -> str:
@@ -63,10 +84,15 @@ def addmm_activation_available() -> bool:
     return getattr(torch, "_addmm_activation", None) is not None
 
 
-def fallback_notes(device: torch.device, fused_layers: bool, probe=None) -> tuple[str, ...]:
+def fallback_notes(device: torch.device, fused_layers: bool, probe=None, dtype: torch.dtype | None = None
+                   ) -> tuple[str, ...]:
     """The fallbacks a runner on ``device`` with this plan will take, as plan notes (each
     logged once)."""
     notes: list[str] = []
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        usable, why = onednn_linear_gelu_usable(dtype)
+        if not usable:
+            notes.append(onednn_gelu_unfused_note(why))
     if fused_layers:
         usable, why = triton_passes_usable(device)
         if not usable:

@@ -120,7 +120,8 @@ class TorchRunner(DeviceRunner):
                             emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
                             text_head_dim=RELEASED_TEXT_HEAD_DIM, text_available=text_available)
         # no silent fallbacks: what this device will run differently from the plan's decisions
-        plan = dataclasses.replace(plan, notes=plan.notes + fallback_notes(device, bool(plan.fused_layers.value), probe))
+        plan = dataclasses.replace(plan, notes=plan.notes + fallback_notes(device, bool(plan.fused_layers.value), probe,
+                                                                     DTYPE_BY_NAME[plan.dtype.value]))
         return cls(plan, probe, row)
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):

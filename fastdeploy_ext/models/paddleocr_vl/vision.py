@@ -54,8 +54,9 @@ class EncoderLayer(nn.Module):
         """out_proj + residual -> LayerNorm -> fc1 + GELU -> fc2 + residual."""
         ln = self.layer_norm2
         x = x + F.linear(attn, self.out_proj.weight, self.out_proj.bias)
-        h = F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps), self.fc1.weight,
-                            self.fc1.bias), approximate=self.gelu_approx)
+        # the unfused plan keeps CUDA's GELU a kernel of its own; a CPU fuses it in oneDNN (bf16)
+        h = linear_gelu(F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps), self.fc1.weight,
+                        self.fc1.bias, self.gelu_approx, cuda_epilogue=False)
         return x + F.linear(h, self.fc2.weight, self.fc2.bias)
 
     def attention(self, qkv: torch.Tensor, meta: VisionMetadata, ex: VisionExecution) -> torch.Tensor:
