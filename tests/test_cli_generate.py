@@ -78,3 +78,20 @@ def test_bench_generate_cpu_reports_both_sides(refs, tmp_path, capsys):
     assert st["preprocess_cpu_s"] > 0 and 0 < o["ttft_s"] < o["wall_s"]
     printed = capsys.readouterr().out
     assert "page1: TTFT" in printed and "stages: prefill " in printed
+
+
+def test_generate_with_dummy_weights_needs_no_model_dir(refs, tmp_path):
+    """Issue 8's "done when" as a fresh clone does it: the released 0.9B shapes with random weights
+    and the built-in byte-level tokenizer, on the CPU; the released template's ids around the
+    image (start 101305, h*w/4 placeholders 100295, end 101306) and exactly the tokens asked for."""
+    from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor
+    img = refs.files("images")[0]
+    r = cli("generate", "--load-format", "dummy", "--image", img, "--prompt", "OCR:", "--max-tokens", "3",
+            "--ignore-eos", "--temperature", "0", "--json", "--device", "cpu", "--kv-cache-memory", "128MiB",
+            "--max-model-len", "2048")
+    (obj,) = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert len(obj["token_ids"]) == 3 and isinstance(obj["text"], str)
+    _, h, w = ImageProcessor().preprocess(img).grid_thw
+    ids = obj["prompt_token_ids"]
+    start, end = ids.index(101305), ids.index(101306)
+    assert ids[start + 1:end] == [100295] * (h * w // 4) and ids[0] == 1
