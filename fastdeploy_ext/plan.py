@@ -279,6 +279,19 @@ class RunPlan:
 
 
 # --------------------------------------------------------------------------- resolve
+def _forced_entry(row: CapabilityRow, entries, requested: str, what: str, usable):
+    """The row's entry named ``requested`` (a backend the user forced), or a PlanError saying
+    that the row does not list it or why it cannot run here."""
+    e = next((e for e in entries if e.backend == requested), None)
+    if e is None:
+        raise PlanError(f"row {row.name} does not list {what} {requested!r}; "
+                        f"it lists {', '.join(e.backend for e in entries)}")
+    why = usable(e)
+    if why:
+        raise PlanError(f"row {row.name}: {what} {requested} cannot run here: {why}")
+    return e
+
+
 def resolve_text_attention(row: CapabilityRow, requested: str, *, dtype: str, head_dim: int,
                            available: dict[str, tuple[bool, str]], notes: list[str]) -> Decision:
     """The paged attention backend of the text decoder: the row's preference order filtered by
@@ -292,13 +305,7 @@ def resolve_text_attention(row: CapabilityRow, requested: str, *, dtype: str, he
         return None if ok else f"kernel unavailable: {why}"
 
     if requested != "auto":
-        e = next((e for e in row.text_attention if e.backend == requested), None)
-        if e is None:
-            raise PlanError(f"row {row.name} does not list text attention backend {requested!r}; "
-                            f"it lists {', '.join(e.backend for e in row.text_attention)}")
-        why = usable(e)
-        if why:
-            raise PlanError(f"row {row.name}: text attention backend {requested} cannot run here: {why}")
+        _forced_entry(row, row.text_attention, requested, "text attention backend", usable)
         return Decision(requested, "requested")
     skipped = []
     for e in row.text_attention:
@@ -370,16 +377,9 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
             return f"dtype {dtype.value} not in {list(e.dtypes)}"
         return None if f.present else f"kernel unavailable: {f.reason}"
 
-    entries = {e.backend: e for e in row.attention}
     gc = request.graph_config
     if request.attention_backend != "auto":
-        e = entries.get(request.attention_backend)
-        if e is None:
-            raise PlanError(f"row {row.name} does not list attention backend {request.attention_backend!r}; "
-                            f"it lists {', '.join(entries)}")
-        why = usable(e)
-        if why:
-            raise PlanError(f"row {row.name}: attention backend {e.backend} cannot run here: {why}")
+        e = _forced_entry(row, row.attention, request.attention_backend, "attention backend", usable)
         chosen, att_reason, fallbacks = e, "requested", ()
     else:
         candidates = []
