@@ -169,19 +169,23 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(images))]
     done = {}
     before = engine.stats()
+    steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
     with GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
         t0, t0_epoch = time.perf_counter(), time.time()
         for rid, png in zip(ids, images):
             engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
         while engine.has_unfinished():
-            n_prefill = engine.stats().num_prefill_steps
             ts = time.perf_counter()
             outs = engine.step()
             # a step ends with its sampled ids on the host (a device sync), so its wall time
-            # covers its device work
-            kind = "prefill" if engine.stats().num_prefill_steps > n_prefill else "decode"
-            step_s[kind] += time.perf_counter() - ts
+            # covers its device work; a call that ran no step (nothing ready) counts as other
+            dt = time.perf_counter() - ts
+            st = engine.stats()
+            now = (st.num_prefill_steps, st.num_decode_steps)
+            if now != steps_done:
+                step_s["prefill" if now[0] > steps_done[0] else "decode"] += dt
+                steps_done = now
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o

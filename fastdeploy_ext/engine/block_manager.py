@@ -39,6 +39,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
+    def covers(self, seq: Sequence, num_tokens: int) -> bool:
+        """seq's block table already holds num_tokens tokens (the usual decode step)."""
+        return len(seq.block_table) * self.block_size >= num_tokens
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs so its table covers num_tokens tokens."""
         return max(self.blocks_for(num_tokens) - len(seq.block_table), 0)

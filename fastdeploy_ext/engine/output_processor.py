@@ -45,7 +45,7 @@ class OutputProcessor:
         tail = ids[max(seq.prompt_len, n - g.max_period):n][::-1]   # tail[p-1] = ids[n-p], output only
         runs = seq.repeat_runs
         if token not in tail:            # no period repeats: every run ends (decided in C)
-            if runs[0] or max(runs):
+            if any(runs):
                 seq.repeat_runs = [0] * len(runs)
             return False
         runs[:len(tail)] = [r + 1 if t == token else 0 for r, t in zip(runs, tail)]

@@ -170,13 +170,12 @@ class Scheduler:
     def _schedule_decode(self, preempted: list[Sequence]) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False, preempted=preempted)
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        bs = self.bm.block_size
         i = 0
         while i < len(self.running) and len(out.scheduled) < limit:     # oldest first
             seq = self.running[i]
             # A new block only when the token crosses a block boundary (once per block_size
             # steps); otherwise nothing to allocate or preempt for.
-            if len(seq.block_table) * bs < seq.num_tokens:
+            if not self.bm.covers(seq, seq.num_tokens):
                 # victims are always newer (later in the list) than seq, or seq itself when it
                 # is the newest: then it left the list and the loop ends. O(running) per step.
                 if not self._make_room(seq, seq.num_tokens, out):
