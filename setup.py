@@ -23,6 +23,7 @@ setup(
         "py-cpuinfo>=9",
         "tokenizers>=0.20",     # the model dir's tokenizer.json
         "jinja2>=3",            # chat templates
+        "tqdm>=4",              # the offline LLM's progress bar
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
@@ -42,7 +43,7 @@ setup(
         # interpreter-mode tests on the CPU; the server tests drive the server with `openai`.
         "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",
                  "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
-                 "openai>=1.40", *SERVE],
+                 "openai>=1.40", "hypothesis>=6", *SERVE],
     },
     entry_points={
         "console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"],

@@ -37,7 +37,7 @@ def test_generate_json_one_line_per_image_matches_transformers(refs):
     (["--max-num-seqs", "0"], "max-num-seqs"),
     (["--kv-cache-memory", "1KiB"], "max-model-len"),
     (["--limit-mm-per-prompt", "{\"video\": 1}"], "limit-mm-per-prompt"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
 ])
 def test_generate_bad_flags_are_one_line_errors(refs, flags, match, capsys):
     argv = ["generate", "--model", str(refs.path("tiny_vl")), "--image", str(refs.files("images")[0]),

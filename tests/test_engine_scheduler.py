@@ -150,7 +150,7 @@ def test_invalid_requests_raise_before_queueing():
         ({"prompt": "x", "images": [b"not an image"]}, SamplingParams()),
         ({"prompt": "x" * 80}, SamplingParams()),                              # beyond max_model_len
         ({"prompt": "x"}, SamplingParams(max_tokens=500)),
-        ({"prompt": "x"}, SamplingParams(top_p=0)),
+        ({"prompt": "x"}, SamplingParams(top_p=1.5)),
         ({"prompt": "x", "images": ["https://example.com/a.png"]}, SamplingParams()),
     ]
     for prompt, params in bad:

@@ -3,18 +3,33 @@
 The step loop runs in one background thread that owns the scheduler; asyncio callers talk to it
 through thread-safe hand-offs only: a request is preprocessed in the engine's worker pool
 (awaited by the caller, so a bad request raises InvalidRequest before anything is queued), then
-queued; each step's outputs are delivered to per-request asyncio queues with
-call_soon_threadsafe. A consumer that stops iterating aborts its request.
+queued; each step's outputs are delivered to per-request channels with call_soon_threadsafe.
+A consumer that stops iterating aborts its request.
+
+Outputs are deltas (outputs.py). A request's channel holds at most one unread output: a new
+one is folded into the unread one (deltas appended), so a consumer that stops reading costs
+O(its sequence) memory whatever the number of steps, and reads everything it missed at once
+when it comes back; the request itself runs on to its end (max_tokens bounds it).
+
+Failures: a request that fails alone in the engine (finish_reason "error") raises RequestFailed
+to its consumer, the other requests run on. A fault in what the batch shares kills the step
+loop: ``error`` is set, ``healthy`` is False at once and every consumer gets EngineDead.
+
+``status``: starting, ready, stuck (a step has run longer than ``--step-timeout`` seconds, the
+first step not counted: it compiles and warms up), dead, stopped. ``healthy`` is False when
+stuck or dead (the server's watchdog then exits for a restart).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
+from collections import deque
 from typing import AsyncIterator
 
 from .config import EngineConfig
-from .errors import EngineDead, InvalidRequest
+from .errors import EngineDead, InvalidRequest, RequestFailed
 from .llm_engine import EngineStats, LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -22,6 +37,34 @@ from .sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 PromptInput = dict   # {"prompt": str | None, "messages": [...] | None, "images": [...]}
+
+
+class OutputChannel:
+    """One request's outputs, on its consumer's event loop (push runs there, through
+    call_soon_threadsafe). Holds at most one unread RequestOutput (later ones are folded into
+    it) and then at most one terminal exception."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, item) -> None:
+        tail = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(tail, RequestOutput) and not tail.finished:
+            tail.absorb(item)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self):
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        return item.settle() if isinstance(item, RequestOutput) else item
 
 
 class AsyncLLMEngine:
@@ -35,8 +78,12 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._accepting = False
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, OutputChannel]] = {}
         self._qlock = threading.Lock()
+        self._preprocessing: set[str] = set()    # in the worker pool, not yet queued in the engine
+        self._aborted_early: set[str] = set()    # aborted while preprocessing
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._stuck: str | None = None           # latched: why the loop is stuck
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -52,8 +99,38 @@ class AsyncLLMEngine:
         self.ready = True
 
     @property
+    def status(self) -> str:
+        """starting, ready, stuck, dead or stopped (see the module docstring)."""
+        if self.error is not None or (self._thread is not None and not self._thread.is_alive()
+                                      and not self._stop.is_set()):
+            return "dead"
+        if self._stop.is_set():
+            return "stopped"
+        if self.engine is None or not self.ready:
+            return "starting"
+        if self._check_stuck():
+            return "stuck"
+        return "ready"
+
+    @property
+    def reason(self) -> str | None:
+        """Why the engine is dead or stuck (None otherwise)."""
+        return self.error or self._stuck
+
+    @property
     def healthy(self) -> bool:
-        return self.error is None and (self._thread is None or self._thread.is_alive() or self._stop.is_set())
+        return self.status not in ("dead", "stuck")
+
+    def _check_stuck(self) -> bool:
+        if self._stuck is None:
+            t0, limit = self._step_started, self.config.step_timeout
+            # the first step that runs the model compiles and warms up: not timed
+            done = self.engine.num_steps if self.engine is not None else 0
+            if t0 is not None and done >= 1 and time.monotonic() - t0 > limit:
+                self._stuck = (f"engine stuck: a step has run for more than --step-timeout {limit:g} s "
+                               f"(after {done} steps)")
+                log.error("%s", self._stuck)
+        return self._stuck is not None
 
     @property
     def tokenizer(self):
@@ -67,7 +144,10 @@ class AsyncLLMEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for out in eng.step():
+                self._step_started = time.monotonic()
+                outs = eng.step()
+                self._step_started = None
+                for out in outs:
                     self._deliver(out.request_id, out)
         except BaseException as e:      # the loop died: every waiting request learns why
             self.error = f"step loop died: {type(e).__name__}: {e}"
@@ -83,7 +163,7 @@ class AsyncLLMEngine:
         if entry is not None:
             loop, q = entry
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(q.push, item)
             except RuntimeError:        # the caller's loop is closed: nobody listens any more
                 pass
 
@@ -96,27 +176,39 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: PromptInput,
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Incremental outputs of one request (cumulative token_ids/text plus delta_text); the
-        last has finish_reason set. InvalidRequest is raised before anything is queued."""
+        """Outputs of one request as deltas (outputs.py); the last has finish_reason set and the
+        whole generation. InvalidRequest is raised before anything is queued; RequestFailed if
+        the request fails in the engine; EngineDead if the step loop dies."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         with self._qlock:
             if request_id in self._queues:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
-            q: asyncio.Queue = asyncio.Queue()
+            q = OutputChannel()
             self._queues[request_id] = (loop, q)
+            self._preprocessing.add(request_id)
         finished = False
         try:
             eng = self.engine
-            seq = await loop.run_in_executor(eng.pool, eng.process_request, request_id, prompt, params)
+            try:
+                seq = await loop.run_in_executor(eng.pool, eng.process_request, request_id, prompt, params)
+            finally:
+                with self._qlock:
+                    self._preprocessing.discard(request_id)
+                    aborted = request_id in self._aborted_early
+                    self._aborted_early.discard(request_id)
             self._check_alive()
             eng.add_sequence(seq, stream=True)
+            if aborted:                  # aborted while preprocessing: it ends with "abort" at once
+                eng.abort_request(request_id)
             self._wake.set()
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RequestFailed(request_id, item.error or "unknown error")
                 yield item
                 if finished:
                     break
@@ -128,6 +220,9 @@ class AsyncLLMEngine:
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
+        with self._qlock:
+            if request_id in self._preprocessing:
+                self._aborted_early.add(request_id)
         if self.engine is not None:
             self.engine.abort_request(request_id)
             self._wake.set()

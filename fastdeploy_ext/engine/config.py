@@ -57,6 +57,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None           # exact pool size (tests, debugging): overrides both
     enable_max_prefill: bool | None = None     # None: FD_ENABLE_MAX_PREFILL
     preprocess_workers: int = 4
+    step_timeout: float = 300.0                # seconds one step may run (after the first) before the
+                                               # async engine reports itself stuck
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_encoder_patches",
@@ -71,6 +73,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         parse_limit_mm(self.limit_mm_per_prompt)
+        t = self.step_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"--step-timeout must be a positive number of seconds, got {t!r}")
 
     def max_prefill(self) -> Decision:
         if self.enable_max_prefill is not None:

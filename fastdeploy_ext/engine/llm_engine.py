@@ -6,6 +6,15 @@ runner.execute(StepBatch) -> sample -> append tokens, check stops, free finished
 Preprocessing runs in a worker pool (`submit`), so with requests queued the step loop only
 packs ready host tensors. The async server API (async_engine.py) and the offline LLM API
 (entrypoints/llm.py) both drive this class.
+
+Faults: host work that belongs to one request (building its SampleRequest, a row the sampler
+could not sample because its logits are not finite, appending its token, detokenizing, stop
+checks, building its output) is isolated: an exception there fails that request alone, its
+blocks are freed and its final RequestOutput has finish_reason "error" with ``error`` saying
+why (AsyncLLMEngine raises RequestFailed to its consumer); the batch runs on. What the whole
+batch shares (the vision pass, packing the step, runner.execute, the sampler over the batch)
+cannot be pinned on one request: an exception there leaves step() and the caller's loop dies
+(the server then reports dead and exits for a restart).
 """
 from __future__ import annotations
 
@@ -60,6 +69,7 @@ class EngineStats:
     max_prefill: bool
     encoder_graph_hits: int = 0    # packed vision passes replayed from an encoder graph
     encoder_graph_fallbacks: int = 0   # images run eagerly (no captured budget fits them)
+    num_failed: int = 0            # requests that failed alone (finish_reason "error")
 
 
 class LLMEngine:
@@ -105,6 +115,7 @@ class LLMEngine:
         self._sent: dict[int, int] = {}            # seq_id -> output tokens already reported
         self._abort_pending: set[str] = set()
         self._counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, num_finished=0, num_aborted=0,
+                              num_failed=0,
                               prompt_tokens=0, generation_tokens=0, preprocess_s=0.0, vision_s=0.0, vision_passes=0)
 
     # ------------------------------------------------------------------ construction
@@ -244,9 +255,10 @@ class LLMEngine:
         for rid in aborts:
             seq = self.scheduler.find(rid)
             if seq is None:
-                # still preprocessing: abort again once it is queued
+                # still preprocessing (or queued by a worker since the inbox was taken): abort
+                # again at the next step, once it is queued
                 with self._lock:
-                    if rid in self._pending:
+                    if rid in self._pending or any(r.request_id == rid for r in self._ready):
                         self._abort_pending.add(rid)
                 continue
             self.scheduler.finish(seq)
@@ -266,33 +278,82 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.seq.metrics.first_scheduled is None:
                 s.seq.metrics.first_scheduled = now
+        rows, reqs = [], []
+        for s in sched.scheduled:
+            if s.completes_prefill or not sched.is_prefill:
+                try:
+                    reqs.append(self._sample_request(s.seq))
+                    rows.append(s)
+                except Exception as e:  # noqa: BLE001 - this request's bookkeeping: it alone fails
+                    outputs.append(self._fail(s.seq, e))
+        if any(s.seq.is_finished for s in sched.scheduled):        # failed just above: not run
+            sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+            if not sched.scheduled:
+                return outputs
+        # from here to the sampled ids the step is shared by the batch: a fault cannot be pinned
+        # on one request and ends the step loop (the server reports dead and exits)
         batch = self._build_batch(sched)
         logits = self.runner.execute(batch)
-        rows = [s for s in sched.scheduled if s.completes_prefill or not sched.is_prefill]
-        result = sample(logits, [self._sample_request(s.seq) for s in rows])
+        result = sample(logits, reqs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
         c = self._counters
         c["num_steps"] += 1
         c["num_prefill_steps" if sched.is_prefill else "num_decode_steps"] += 1
         now = time.time()
-        for s, tok, lp in zip(rows, result.token_ids, result.logprobs):
-            seq = s.seq
-            self.output_processor.append_token(seq, tok, lp, now)
-            c["generation_tokens"] += 1
-            finished = seq.finish_reason is not None
-            if finished:
-                seq.metrics.finish = now
-                self.scheduler.finish(seq)
-                c["num_finished"] += 1
-                c["prompt_tokens"] += seq.prompt_len
-                c["preprocess_s"] += seq.metrics.preprocess_s
-            if finished or seq.stream:
-                outputs.append(self.output_processor.make_output(seq, self._sent.get(seq.seq_id, 0)))
-                self._sent[seq.seq_id] = seq.num_output_tokens
-            if finished:
-                self._sent.pop(seq.seq_id, None)
+        for s, tok, lp, err in zip(rows, result.token_ids, result.logprobs, result.errors):
+            try:
+                if err is not None:
+                    outputs.append(self._fail(s.seq, err))
+                    continue
+                out = self._process_token(s.seq, tok, lp, now)
+            except Exception as e:  # noqa: BLE001 - detokenization, stop checks, output: it alone fails
+                outputs.append(self._fail(s.seq, e))
+                continue
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _process_token(self, seq: Sequence, tok: int, lp: dict | None, now: float) -> RequestOutput | None:
+        c = self._counters
+        self.output_processor.append_token(seq, tok, lp, now)
+        c["generation_tokens"] += 1
+        finished = seq.finish_reason is not None
+        if finished:
+            seq.metrics.finish = now
+            self.scheduler.finish(seq)
+            c["num_finished"] += 1
+            c["prompt_tokens"] += seq.prompt_len
+            c["preprocess_s"] += seq.metrics.preprocess_s
+        out = None
+        if finished or seq.stream:
+            out = self.output_processor.make_output(seq, self._sent.get(seq.seq_id, 0))
+            self._sent[seq.seq_id] = seq.num_output_tokens
+        if finished:
+            self._sent.pop(seq.seq_id, None)
+        return out
+
+    def _fail(self, seq: Sequence, error: BaseException | str) -> RequestOutput:
+        """Fail one request alone: its blocks freed, its final output finish_reason "error".
+        Built from plain slices only (the output processor may be what raised)."""
+        if isinstance(error, BaseException):
+            reason = f"{type(error).__name__}: {error}"
+            log.error("request %s failed on the host (the others run on): %s", seq.request_id, reason,
+                      exc_info=error)
+        else:
+            reason = error
+            log.error("request %s failed (the others run on): %s", seq.request_id, reason)
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = FinishReason.ERROR, None
+        seq.metrics.finish = time.time()
+        self._counters["num_failed"] += 1
+        sent = self._sent.pop(seq.seq_id, 0)
+        out_ids = seq.token_ids[seq.prompt_len:]
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt.prompt_text, prompt_token_ids=seq.prompt.prompt_token_ids,
+            delta_token_ids=out_ids[sent:], delta_text="", delta_logprobs=None, num_output_tokens=len(out_ids),
+            finish_reason=FinishReason.ERROR.value, stop_reason=None, token_ids=out_ids,
+            text=seq.text if isinstance(seq.text, str) else "", error=reason, metrics=seq.metrics)
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         p = seq.params
@@ -350,6 +411,11 @@ class LLMEngine:
         return StepBatch(True, steps)
 
     # ------------------------------------------------------------------ observability
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran the model so far."""
+        return self._counters["num_steps"]
+
     def stats(self) -> EngineStats:
         c = self._counters
         text = getattr(self.runner, "text", None)       # the runner's decode side (graph counters)

@@ -1,6 +1,11 @@
 """After each step, on the host: append the sampled token, detokenize incrementally, check the
 stop conditions (eos, stop ids, stop strings, max_tokens, max_model_len, the repetition-loop
-guard) and build the RequestOutput."""
+guard) and build the RequestOutput (outputs.py: deltas, O(new tokens) per output).
+
+Stop strings in streams: while a stop string could still be completing, the last
+max(len(stop)) - 1 characters are held back from delta_text (vLLM's rule), so nothing a stop
+string later cuts off is ever streamed; the deltas join to exactly the final text. Of several
+stop strings the one that starts earliest in the text wins, whatever the list order."""
 from __future__ import annotations
 
 from .outputs import RequestOutput
@@ -116,16 +121,32 @@ class OutputProcessor:
         seq.text += new
         return new
 
-    def make_output(self, seq: Sequence, num_sent_tokens: int) -> RequestOutput:
-        """Output with everything since the previous one (num_sent_tokens ids were sent)."""
-        text = seq.text
-        delta = text[seq.num_sent_text:]
-        seq.num_sent_text = len(text)
-        out_ids = seq.output_token_ids
+    @staticmethod
+    def stop_holdback(seq: Sequence) -> int:
+        """Characters of a running request's text not streamed yet: a stop string may still be
+        completing in them (none when the stop string is kept in the output anyway)."""
+        p = seq.params
+        if not p.stop or p.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in p.stop) - 1
+
+    def make_output(self, seq: Sequence, num_sent_tokens: int, error: str | None = None) -> RequestOutput:
+        """What is new since the previous output (num_sent_tokens ids were sent): O(new tokens);
+        the final output also carries the whole generation."""
+        finished = seq.finish_reason is not None
+        end = len(seq.text) if finished else len(seq.text) - self.stop_holdback(seq)
+        start = seq.num_sent_text
+        delta = seq.text[start:end] if end > start else ""
+        seq.num_sent_text = max(start, end)
         want_lp = seq.params.logprobs is not None
-        return RequestOutput(
+        out = RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt.prompt_text, prompt_token_ids=seq.prompt.prompt_token_ids,
-            token_ids=list(out_ids), text=text, delta_text=delta, delta_token_ids=out_ids[num_sent_tokens:],
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if want_lp else None,
-            cumulative_logprob=seq.cumulative_logprob if want_lp else None, metrics=seq.metrics)
+            delta_token_ids=seq.token_ids[seq.prompt_len + num_sent_tokens:], delta_text=delta,
+            delta_logprobs=seq.logprobs[num_sent_tokens:] if want_lp else None,
+            num_output_tokens=seq.num_output_tokens,
+            finish_reason=seq.finish_reason.value if finished else None, stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if want_lp else None, error=error, metrics=seq.metrics)
+        if finished:     # the whole generation, once (the sequence is done: its lists are handed over)
+            out.token_ids, out.text = seq.output_token_ids, seq.text
+            out.logprobs = seq.logprobs if want_lp else None
+        return out

@@ -1,9 +1,76 @@
-"""Per-request sampling parameters, with vLLM's names and meanings."""
+"""Per-request sampling parameters, with vLLM's names and meanings, and the one validation that
+the server, the offline LLM and the CLI share (``SamplingParams(...).validate(vocab_size)``).
+
+The accepted ranges are what ops/sampler.py and the kernels can run without overflow or NaN
+(vLLM's rules where it has one):
+
+- ``seed``: an integer in [-2^63, 2^63) (a torch generator's range);
+- ``temperature``: finite, in [0, 1e4]; below 1e-5 it means greedy, in [1e-5, 1e-2) it is raised
+  to 1e-2 (vLLM's _SAMPLING_EPS / _MAX_TEMP: smaller divisors overflow the logits);
+- ``top_k``: an integer; -1 or 0 is off, >= the vocabulary is off (clamped), below 2^63;
+- ``top_p``: finite, in [0, 1]; 0 keeps only the most likely token (FastDeploy's range: PaddleX's
+  fastdeploy-server client sends 0 when unset);
+- ``repetition_penalty``: finite, in [0.01, 100] (dividing a logit by less overflows float32);
+- every repetition-guard field bounded (``max_period`` <= 512 tokens of state per request);
+- NaN and infinity are refused for every float.
+
+A value outside its range raises InvalidRequest naming the field; nothing else escapes.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import math
+from dataclasses import dataclass, field, fields
 
 from .errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+SAMPLING_EPS = 1e-5               # temperature below: greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2            # temperature in [eps, this) is raised to this (vLLM's _MAX_TEMP)
+MAX_TEMPERATURE = 1e4
+SEED_RANGE = (-2**63, 2**63)      # [lo, hi)
+TOP_K_LIMIT = 2**63               # top_k must be below (int64 on the device)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 1024     # per-token stop search is O(count x length)
+MAX_STOP_TOKEN_IDS = 1024
+GUARD_LIMITS = {"max_period": 512, "min_repeats": 4096, "min_span": 1 << 20}
+
+
+def _fail(name: str, msg: str):
+    raise InvalidRequest(f"sampling params: {name} {msg}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int(name: str, v, lo: int | None = None, hi: int | None = None, what: str = "") -> int:
+    """An integer (bools refused) in [lo, hi]."""
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = what or (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}")
+        _fail(name, f"must be an integer {rng}, got {v!r}"[:300])
+    return v
+
+
+def check_float(name: str, v, lo: float, hi: float) -> float:
+    """A finite number in [lo, hi] (bools, NaN and infinity refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        _fail(name, f"must be a number in [{lo:g}, {hi:g}], got {v!r}"[:300])
+    try:
+        f = float(v)
+    except OverflowError:            # an int too large for a float
+        f = math.inf
+    if not math.isfinite(f) or not lo <= f <= hi:
+        _fail(name, f"must be a finite number in [{lo:g}, {hi:g}], got {v!r}"[:300])
+    return f
+
+
+def check_bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        _fail(name, f"must be true or false, got {v!r}"[:300])
+    return v
 
 
 @dataclass
@@ -13,21 +80,24 @@ class RepetitionGuard:
     Fires when the output's tail is one pattern of `period <= max_period` tokens repeated at least
     `min_repeats` times AND the repeated span covers at least `min_span` tokens: short loops must
     repeat many times, long ones at least `min_repeats` times. Defaults are conservative enough
-    for tables and dotted leaders (a 1-token pattern must repeat 128 times)."""
+    for tables and dotted leaders (a 1-token pattern must repeat 128 times). Per request it keeps
+    `max_period` counters (none when disabled), so max_period is bounded (GUARD_LIMITS)."""
     enabled: bool = True
     max_period: int = 64
     min_repeats: int = 8
     min_span: int = 128
 
     def validate(self) -> None:
-        for name in ("max_period", "min_repeats", "min_span"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidRequest(f"repetition guard: {name} must be a positive integer, got {v!r}")
+        check_bool("repetition_guard.enabled", self.enabled)
+        for name, hi in GUARD_LIMITS.items():
+            check_int(f"repetition_guard.{name}", getattr(self, name), 1, hi)
 
     def span_needed(self, period: int) -> int:
         """Length of the periodic tail that fires for this period."""
         return max(self.min_repeats * period, self.min_span)
+
+
+_GUARD_FIELDS = {f.name for f in fields(RepetitionGuard)}
 
 
 @dataclass
@@ -35,8 +105,8 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = None          # None: max_model_len - prompt length
     min_tokens: int = 0
-    temperature: float = 1.0               # 0: greedy
-    top_p: float = 1.0
+    temperature: float = 1.0               # < 1e-5: greedy
+    top_p: float = 1.0                     # 0: only the most likely token
     top_k: int = 0                         # 0 or -1: off
     seed: int | None = None
     repetition_penalty: float = 1.0        # transformers' rule over prompt + output tokens
@@ -50,47 +120,64 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self):
+        # only shape conversions that cannot fail: anything else is for validate() to refuse
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.repetition_guard, dict):
-            self.repetition_guard = RepetitionGuard(**self.repetition_guard)
-        if self.top_k == -1:
+        elif self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        g = self.repetition_guard
+        if isinstance(g, dict) and all(isinstance(k, str) for k in g) and set(g) <= _GUARD_FIELDS:
+            self.repetition_guard = RepetitionGuard(**g)
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raises InvalidRequest naming the bad field."""
-        def bad(msg):
-            raise InvalidRequest(f"sampling params: {msg}")
-        if self.n != 1:
-            bad(f"n must be 1 (one completion per request), got {self.n}")
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0 or self.temperature > 1e4:
-            bad(f"temperature must be a number in [0, 1e4], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be a non-negative integer (0 or -1: off), got {self.top_k!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad(f"stop must be non-empty strings, got {self.stop!r}")
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.repetition_guard.enabled:
-            self.repetition_guard.validate()
+        """Raises InvalidRequest naming the bad field; normalizes in place what vLLM normalizes
+        (greedy below 1e-5, the temperature floor, top_k -1 or >= vocab -> 0). Idempotent."""
+        check_int("n", self.n, 1, 1, "equal to 1 (one completion per request)")
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, what=">= 1")
+        check_int("min_tokens", self.min_tokens, 0, what=">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        t = check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if t < SAMPLING_EPS:
+            t = 0.0
+        elif t < MIN_TEMPERATURE:
+            log.debug("temperature %g raised to %g (smaller divisors overflow the logits)", t, MIN_TEMPERATURE)
+            t = MIN_TEMPERATURE
+        self.temperature = t
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0)
+        k = check_int("top_k", self.top_k, -1, TOP_K_LIMIT - 1,
+                      f"(-1 or 0: off; at most {TOP_K_LIMIT - 1}, values >= the vocabulary are off)")
+        if k == -1 or (vocab_size is not None and k >= vocab_size):
+            k = 0
+        self.top_k = k
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
+                                              *REPETITION_PENALTY_RANGE)
+        if self.seed is not None:
+            check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop):
+            _fail("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LEN} "
+                          f"characters, got {self.stop!r}"[:300])
+        hi = (vocab_size - 1) if vocab_size is not None else None
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, "
+                                    f"got {self.stop_token_ids!r}"[:300])
+        for tok in self.stop_token_ids:
+            check_int("stop_token_ids", tok, 0, hi, f"token ids in [0, {vocab_size})" if hi is not None else ">= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            check_bool(name, getattr(self, name))
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.repetition_guard, RepetitionGuard):
+            g = self.repetition_guard
+            _fail("repetition_guard", f"must be an object with {', '.join(sorted(_GUARD_FIELDS))}, got {g!r}"[:300])
+        self.repetition_guard.validate()

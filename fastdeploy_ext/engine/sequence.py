@@ -26,6 +26,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"           # max_tokens or max_model_len
     ABORT = "abort"
     REPETITION = "repetition"   # the repetition-loop guard (servers report "stop" + stop_reason)
+    ERROR = "error"             # this request failed alone (RequestOutput.error says why)
 
 
 @dataclass
@@ -98,7 +99,9 @@ class Sequence:
         self.prefix_offset = self.read_offset = self.prompt_len
         self.num_sent_text = 0                        # characters already streamed
         # repetition guard: repeat_runs[p-1] = trailing positions i with out[i] == out[i - p]
-        self.repeat_runs: list[int] = [0] * params.repetition_guard.max_period
+        # (no state at all when the guard is off)
+        guard = params.repetition_guard
+        self.repeat_runs: list[int] = [0] * guard.max_period if guard.enabled else []
         self.repeat_thresholds: list[int] | None = None
 
     # ------------------------------------------------------------------ sizes

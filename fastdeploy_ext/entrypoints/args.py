@@ -149,6 +149,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
                    help="share of device memory for weights, the profiled step peak and the KV pool")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool bytes on devices without a free-memory query (CPU), e.g. 2GiB; default 1GiB")
+    g.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
+                   help="a step running longer than S seconds (the first, warm-up step not counted) marks the "
+                        "engine stuck: the server's /health answers 503 and it exits 1 for a restart")
     return g
 
 
@@ -161,7 +164,8 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
                            max_model_len=ns.max_model_len, max_encoder_patches=ns.max_encoder_patches,
                            limit_mm_per_prompt=parse_limit_mm(ns.limit_mm_per_prompt),
                            gpu_memory_utilization=ns.gpu_memory_utilization,
-                           kv_cache_memory=parse_bytes(ns.kv_cache_memory))
+                           kv_cache_memory=parse_bytes(ns.kv_cache_memory),
+                           step_timeout=getattr(ns, "step_timeout", 300.0))
         cfg.validate()
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None

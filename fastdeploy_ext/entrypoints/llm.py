@@ -9,12 +9,19 @@
 
 All prompts are handed to the engine's preprocessing pool at once; the step loop runs while
 images are still being decoded, so the device does not wait for the CPU.
+
+Results come back in input order, one RequestOutput per prompt. A prompt refused before it is
+queued (a bad image, too long, bad sampling parameters) raises InvalidRequest naming it and runs
+nothing. A request that fails inside the engine after it was queued fails alone: its output has
+finish_reason "error" and ``error`` saying why (logged at ERROR), the others' results are kept.
+A progress bar (tqdm) shows while prompts finish when ``use_tqdm`` and stderr is a terminal.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
 import logging
+import sys
 from typing import Any, Sequence
 
 from ..engine.config import EngineConfig, parse_bytes, parse_limit_mm
@@ -70,13 +77,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         reqs = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
+        if not reqs:
+            return []
         return self._run(reqs, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params: SamplingParams |
              Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of OpenAI-style messages) or a list of conversations."""
-        if not isinstance(messages, (list, tuple)) or not messages:
+        if not isinstance(messages, (list, tuple)):
             raise InvalidRequest("chat() needs a conversation (list of messages) or a list of conversations")
+        if not messages:
+            return []
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         return self._run([{"messages": c} for c in convs], sampling_params, use_tqdm)
 
@@ -134,7 +145,8 @@ class _NoBar:
 
 
 def _progress(total: int, enabled: bool):
-    if not enabled or total < 2:
+    # on a terminal only: a bar redrawn into a log file or a pipe is noise
+    if not enabled or total < 1 or not sys.stderr.isatty():
         return _NoBar()
     from tqdm.auto import tqdm
     return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

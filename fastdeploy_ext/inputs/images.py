@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -161,7 +162,11 @@ def load_image(src: ImageSource, name: str | None = None, *, max_image_pixels: i
         w, h = img.size
         _check_size(label, w, h)
         try:
-            img.load()
+            # one caller's image may be shared by several prompts preprocessed in parallel
+            # threads; PIL's lazy decode is not thread-safe, so the first thread decodes it
+            # and the others wait (per image: distinct images still decode in parallel)
+            with img.__dict__.setdefault("_fdx_load_lock", threading.Lock()):
+                img.load()
             return _convert_rgb(img)
         except ImageInputError:
             raise

@@ -5,6 +5,13 @@ repetition penalty, temperature, top-k, top-p), a seed (a per-request generator,
 samples do not depend on its batch mates), repetition_penalty (transformers' rule over prompt
 and output tokens), min_tokens (end tokens masked until reached), logprobs/top_logprobs of the
 model's raw distribution (vLLM's default).
+
+The last line of defence against values that slipped past SamplingParams.validate (or a model
+that produced NaN): a row whose logits are not finite where they matter (NaN or +inf anywhere,
+or nothing left to sample after the penalties, bans and filters) is never handed to
+``multinomial`` (a NaN there raises on the CPU and is a device assert on CUDA); it gets
+``SampleResult.errors[i]`` and the engine fails that request alone. The check is computed on the
+device and travels in the step's single host transfer.
 """
 from __future__ import annotations
 
@@ -31,6 +38,22 @@ class SampleRequest:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict | None] = field(default_factory=list)   # {"logprob", "rank"?, "top": [(id, lp)]}
+    errors: list[str | None] = field(default_factory=list)      # per row: why it could not be sampled
+
+
+GREEDY_EPS = 1e-5        # a temperature below samples greedily (SamplingParams.validate's rule)
+
+
+def _is_greedy(r: "SampleRequest") -> bool:
+    """Greedy: no temperature, or top_p 0 (only the most likely token survives the filter; taken
+    as the argmax here, exactly, not through a float cumulative sum that can keep two)."""
+    return r.temperature < GREEDY_EPS or r.top_p <= 0.0
+
+
+def _row_errors(rows_bad: list[bool], reqs: list["SampleRequest"]) -> list[str | None]:
+    return [f"cannot sample: the logits are not finite (NaN or inf) or nothing is left to sample after the "
+            f"penalties and filters (temperature={r.temperature:g}, top_p={r.top_p:g}, top_k={r.top_k}, "
+            f"repetition_penalty={r.repetition_penalty:g})" if b else None for b, r in zip(rows_bad, reqs)]
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[int], reqs: list[SampleRequest]) -> None:
@@ -68,7 +91,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     if n != len(reqs):
         raise ValueError(f"sampler: {n} logits rows for {len(reqs)} requests")
     if n == 0:
-        return SampleResult([], [])
+        return SampleResult([], [], [])
     logits = logits.float()
     want_lp = [i for i, r in enumerate(reqs) if r.num_logprobs is not None]
     raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
@@ -84,18 +107,24 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         cols = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
         logits[idx.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
 
-    greedy = all(r.temperature == 0.0 for r in reqs)
+    vocab = logits.shape[-1]
+    greedy = all(_is_greedy(r) for r in reqs)
     next_ids = logits.argmax(dim=-1)
+    # amax is NaN if any element is, +inf if any is, -inf if all are: one reduction finds them all
+    bad = ~torch.isfinite(logits.amax(dim=-1))
     if not greedy:
         dev = logits.device
-        temp = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], dtype=torch.float32)
-        top_k = torch.tensor([r.top_k for r in reqs], dtype=torch.long)
+        temp = torch.tensor([1.0 if _is_greedy(r) else r.temperature for r in reqs], dtype=torch.float32)
+        top_k = torch.tensor([min(max(r.top_k, 0), vocab) for r in reqs], dtype=torch.long)
         top_p = torch.tensor([r.top_p for r in reqs], dtype=torch.float32)
         scaled = logits / temp.to(dev, non_blocking=True).unsqueeze(1)
         scaled = _filter_top_k_top_p(scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True),
                                      any(r.top_k > 0 for r in reqs), any(r.top_p < 1.0 for r in reqs))
+        bad |= ~torch.isfinite(scaled.amax(dim=-1))
+        # a bad row samples from a harmless uniform row; its token is thrown away with the error
+        scaled = scaled.masked_fill(bad.unsqueeze(1), 0.0)
         probs = scaled.softmax(dim=-1)
-        rand_rows = [i for i, r in enumerate(reqs) if r.temperature > 0]
+        rand_rows = [i for i, r in enumerate(reqs) if not _is_greedy(r)]
         unseeded = [i for i in rand_rows if reqs[i].generator is None]
         sampled = next_ids.clone()
         if unseeded:
@@ -107,7 +136,8 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         next_ids = sampled
 
     if not want_lp:
-        return SampleResult(next_ids.tolist(), [None] * n)
+        ids_host, bad_host = torch.stack([next_ids, bad.to(next_ids.dtype)]).tolist()
+        return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
     # one transfer for the ids and everything logprobs need
     kmax = max(reqs[i].num_logprobs for i in want_lp)
     lp_rows = raw_logprobs.index_select(0, torch.tensor(want_lp, dtype=torch.long).to(logits.device))
@@ -115,12 +145,14 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     chosen = lp_rows.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
     rank = (lp_rows > chosen.unsqueeze(1)).sum(dim=1) + 1
     top = lp_rows.topk(kmax, dim=-1) if kmax > 0 else None
-    ids_host = next_ids.tolist()
+    ids_host, bad_host = torch.stack([next_ids, bad.to(next_ids.dtype)]).tolist()
     chosen_h, rank_h = chosen.tolist(), rank.tolist()
     top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
     out: list[dict | None] = [None] * n
     for j, i in enumerate(want_lp):
+        if bad_host[i]:
+            continue
         k = reqs[i].num_logprobs
         out[i] = {"token_id": ids_host[i], "logprob": chosen_h[j], "rank": rank_h[j],
                   "top": list(zip(top_i[j][:k], top_v[j][:k])) if k else []}
-    return SampleResult(ids_host, out)
+    return SampleResult(ids_host, out, _row_errors(bad_host, reqs))

@@ -266,12 +266,12 @@ class ChatHandler:
 
     async def _complete(self, req, run: _Run, out, t0: float, disconnected) -> dict:
         clock = _TokenClock()
-        clock.observe(len(out.token_ids))
+        clock.observe(out.num_output_tokens)
         while out.finish_reason is None:
             out = await run.next(disconnected)
             if out is None:
                 raise _Disconnected()
-            clock.observe(len(out.token_ids))
+            clock.observe(out.num_output_tokens)
         finish, stop_reason = openai_finish(out.finish_reason, out.stop_reason)
         self._observe(out, t0, clock)
         return protocol.chat_completion(run.rid, req.model or self.model_name, int(time.time()), out.text, finish,
@@ -286,15 +286,14 @@ class ChatHandler:
         status = "cancelled"
         try:
             yield sse(chunk({"role": "assistant", "content": ""}))
-            out, n_sent, clock = first, 0, _TokenClock()
+            out, clock = first, _TokenClock()
             while True:
-                new_ids = clock.observe(len(out.token_ids))
+                new_ids = clock.observe(out.num_output_tokens)
                 finish, stop_reason = openai_finish(out.finish_reason, out.stop_reason)
                 if out.delta_text or new_ids > 0 or finish is not None:
-                    lp = self._logprobs(req, (out.logprobs or [])[n_sent:]) if new_ids > 0 else None
+                    lp = self._logprobs(req, out.delta_logprobs) if new_ids > 0 else None
                     delta = {"content": out.delta_text} if (out.delta_text or finish is None) else {}
                     yield sse(chunk(delta, finish_reason=finish, stop_reason=stop_reason, logprobs=lp))
-                n_sent = len(out.token_ids)
                 if finish is not None:
                     break
                 try:
@@ -319,7 +318,7 @@ class ChatHandler:
 
 
 class _TokenClock:
-    """Time to first token and inter-token gaps, from the cumulative token counts of a request's
+    """Time to first token and inter-token gaps, from the running token counts of a request's
     outputs as they arrive (a step that brings k tokens counts k gaps of 1/k of its wait)."""
 
     def __init__(self):
