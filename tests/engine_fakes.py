@@ -117,3 +117,36 @@ class FakeRunner:
                 h = hash(tuple(round(float(self.cache[sl]), 4) for sl in slots)) & 0x7FFFFFFF
                 rows.append(torch.randn(self.vocab, generator=torch.Generator().manual_seed(h)))
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+
+class PieceTokenizer:
+    """Decodes each id to a fixed piece of text (several characters per token where a test
+    needs new text that spans more than one character in one step)."""
+
+    def __init__(self, pieces: dict[int, str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces.get(i, "") for i in ids
+                       if not (skip_special_tokens and i in (BOS, EOS, IMAGE_ID)))
+
+
+class ScriptedRunner(FakeRunner):
+    """The fake paged runner (cache and block-table checks included) whose logits make every
+    sequence generate `script` in order (its k-th sampled token is script[k], greedy or not):
+    tests that need a known text (stop strings) or a known token at a known step."""
+
+    def __init__(self, script: list[int], **kw):
+        super().__init__(**kw)
+        self.script = script
+        self.emitted: dict[int, int] = {}          # seq_id -> tokens handed out
+
+    def execute(self, step: StepBatch) -> torch.Tensor:
+        rows = super().execute(step)
+        wanting = [s for s in step.seqs if s.need_logits]
+        for row, s in zip(rows, wanting):
+            k = self.emitted.get(s.seq_id, 0)
+            self.emitted[s.seq_id] = k + 1
+            row.fill_(-10.0)
+            row[self.script[k % len(self.script)]] = 10.0
+        return rows

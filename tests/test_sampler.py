@@ -156,3 +156,56 @@ def test_bad_sampling_params_name_the_field():
                      ({"logprobs": 50}, "logprobs"), ({"repetition_guard": {"max_period": 0}}, "max_period")]:
         with pytest.raises(InvalidRequest, match=word):
             SamplingParams(**kw).validate(64)
+
+
+def test_top_p_zero_keeps_exactly_the_most_likely_token():
+    """top_p=0 (PaddleX's fastdeploy-server client sends it) is the argmax, not a float cumulative
+    sum: over a near-uniform 152k vocabulary the transformers-style filter keeps several tokens."""
+    from fastdeploy_ext.ops.sampler import _filter_top_k_top_p
+    x = torch.randn(4, 151936, generator=torch.Generator().manual_seed(0)) * 1e-3
+    kept = (_filter_top_k_top_p(x.clone(), torch.zeros(4, dtype=torch.long), torch.zeros(4), False, True)
+            > float("-inf")).sum(-1)
+    assert kept.max() > 1                         # the cumsum edge case this guards against
+    ref = x.argmax(-1).tolist()
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        reqs = [SampleRequest(temperature=1.0, top_p=0.0), SampleRequest(temperature=1.0, top_p=0.0, generator=g),
+                SampleRequest(temperature=2.0, top_p=0.0, top_k=50), SampleRequest(temperature=0.0)]
+        assert sample(x.clone(), reqs).token_ids == ref
+
+
+@pytest.mark.parametrize("poison", ["nan", "posinf", "all_neginf"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "logprobs"])
+def test_a_row_with_non_finite_logits_fails_alone(poison, mode):
+    """The sampler's last line of defence: the poisoned row gets an error, never reaches
+    multinomial (a NaN there raises on the CPU, asserts on CUDA); the other rows sample as they
+    would without it."""
+    x = logits(4, 50, seed=3)
+    bad = x.clone()
+    if poison == "nan":
+        bad[2, 7] = float("nan")
+    elif poison == "posinf":
+        bad[2, 7] = float("inf")
+    else:
+        bad[2] = float("-inf")
+
+    def reqs():
+        kw = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.9),
+              "logprobs": dict(temperature=0.8, num_logprobs=3)}[mode]
+        return [SampleRequest(generator=torch.Generator().manual_seed(i), **kw) for i in range(4)]
+    res = sample(bad, reqs())
+    clean = sample(x.clone(), reqs())
+    assert res.errors[2] is not None and "not finite" in res.errors[2]
+    assert [res.errors[i] for i in (0, 1, 3)] == [None] * 3
+    assert [res.token_ids[i] for i in (0, 1, 3)] == [clean.token_ids[i] for i in (0, 1, 3)]
+    if mode == "logprobs":
+        assert res.logprobs[2] is None and [res.logprobs[i] for i in (0, 1, 3)] == [clean.logprobs[i] for i in (0, 1, 3)]
+
+
+def test_values_past_validation_cannot_overflow_the_sampler():
+    """top_k beyond the vocabulary and a 0-in-float32 temperature, handed straight to the
+    sampler (not through SamplingParams): clamped and greedy, no error."""
+    x = logits(2, 50, seed=4)
+    res = sample(x.clone(), [SampleRequest(temperature=1.0, top_k=2**63 - 1, generator=torch.Generator().manual_seed(0)),
+                             SampleRequest(temperature=1e-46, top_k=5)])
+    assert res.errors == [None, None] and res.token_ids[1] == int(x[1].argmax())

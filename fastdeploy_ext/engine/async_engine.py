@@ -219,6 +219,12 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)   # the client went away: free its blocks
                 self._wake.set()
 
+    def backlog(self, request_id: str) -> int:
+        """Outputs of a request delivered and not read yet (at most 1 output + 1 error)."""
+        with self._qlock:
+            entry = self._queues.get(request_id)
+        return len(entry[1]) if entry is not None else 0
+
     async def abort(self, request_id: str) -> None:
         with self._qlock:
             if request_id in self._preprocessing:

@@ -255,7 +255,9 @@ async def _watchdog(state: ServerState, period: float = 0.25) -> None:
     while True:
         await asyncio.sleep(period)
         if not state.engine.healthy:
-            state.engine_failed = f"engine loop died: {state.engine.error}"
+            # dead (the step loop died) or stuck (a step ran past --step-timeout)
+            stuck = getattr(state.engine, "status", "dead") == "stuck"
+            state.engine_failed = state.engine.reason if stuck else f"engine loop died: {state.engine.error}"
             log.error("%s; exiting with status 1", state.engine_failed)
             await asyncio.sleep(2 * period)      # let a health probe see the 503
             state.request_exit(1)
