@@ -49,8 +49,8 @@ def _is_int(v) -> bool:
 def check_int(name: str, v, lo: int | None = None, hi: int | None = None, what: str = "") -> int:
     """An integer (bools refused) in [lo, hi]."""
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = what or (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}")
-        _fail(name, f"must be an integer {rng}, got {v!r}"[:300])
+        what = what or (f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}")
+        _fail(name, f"must be {what}, got {v!r}"[:300])
     return v
 
 
@@ -140,10 +140,10 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises InvalidRequest naming the bad field; normalizes in place what vLLM normalizes
         (greedy below 1e-5, the temperature floor, top_k -1 or >= vocab -> 0). Idempotent."""
-        check_int("n", self.n, 1, 1, "equal to 1 (one completion per request)")
+        check_int("n", self.n, 1, 1, "1 (one completion per request)")
         if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens, 1, what=">= 1")
-        check_int("min_tokens", self.min_tokens, 0, what=">= 0")
+            check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         t = check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -155,7 +155,7 @@ class SamplingParams:
         self.temperature = t
         self.top_p = check_float("top_p", self.top_p, 0.0, 1.0)
         k = check_int("top_k", self.top_k, -1, TOP_K_LIMIT - 1,
-                      f"(-1 or 0: off; at most {TOP_K_LIMIT - 1}, values >= the vocabulary are off)")
+                      f"an integer in [-1, {TOP_K_LIMIT - 1}] (-1 or 0: off; values >= the vocabulary are off)")
         if k == -1 or (vocab_size is not None and k >= vocab_size):
             k = 0
         self.top_k = k
@@ -172,7 +172,7 @@ class SamplingParams:
             _fail("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, "
                                     f"got {self.stop_token_ids!r}"[:300])
         for tok in self.stop_token_ids:
-            check_int("stop_token_ids", tok, 0, hi, f"token ids in [0, {vocab_size})" if hi is not None else ">= 0")
+            check_int("stop_token_ids", tok, 0, hi, f"token ids in [0, {vocab_size})" if hi is not None else "token ids >= 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             check_bool(name, getattr(self, name))
         if self.logprobs is not None:
