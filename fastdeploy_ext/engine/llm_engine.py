@@ -12,8 +12,8 @@ could not sample because its logits are not finite, appending its token, detoken
 checks, building its output) is isolated: an exception there fails that request alone, its
 blocks are freed and its final RequestOutput has finish_reason "error" with ``error`` saying
 why (AsyncLLMEngine raises RequestFailed to its consumer); the batch runs on. What the whole
-batch shares (the vision pass, packing the step, runner.execute, the sampler over the batch)
-cannot be pinned on one request: an exception there leaves step() and the caller's loop dies
+batch shares (the vision pass, packing the step, runner.execute, an exception raised by the
+sampler itself) cannot be pinned on one request: it leaves step() and the caller's loop dies
 (the server then reports dead and exits for a restart).
 """
 from __future__ import annotations
