@@ -210,3 +210,19 @@ def test_step_timeout_must_be_positive():
     for bad in (0, -1, float("nan"), float("inf"), "5"):
         with pytest.raises(ValueError, match="--step-timeout"):
             EngineConfig(step_timeout=bad).validate()
+
+
+def test_step_timeout_flag_reaches_the_engine_config_of_generate_and_serve():
+    from fastdeploy_ext.entrypoints import args as A
+    from fastdeploy_ext.entrypoints.cli import build_parser
+    from fastdeploy_ext.entrypoints.openai.api_server import build_parser as serve_parser
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import ModelSource
+    src = ModelSource(None, "dummy", "auto")
+    gen = build_parser().parse_args(["generate", "--image", "x.png", "--prompt", "OCR:", "--step-timeout", "12.5"])
+    assert A.engine_config_from_args(gen, src, PlanRequest()).step_timeout == 12.5
+    srv = serve_parser().parse_args(["--load-format", "dummy"])
+    assert A.engine_config_from_args(srv, src, PlanRequest()).step_timeout == 300.0     # the default
+    bad = build_parser().parse_args(["generate", "--image", "x.png", "--prompt", "OCR:", "--step-timeout", "0"])
+    with pytest.raises(A.CliError, match="--step-timeout"):
+        A.engine_config_from_args(bad, src, PlanRequest())
