@@ -226,3 +226,25 @@ def test_step_timeout_flag_reaches_the_engine_config_of_generate_and_serve():
     bad = build_parser().parse_args(["generate", "--image", "x.png", "--prompt", "OCR:", "--step-timeout", "0"])
     with pytest.raises(A.CliError, match="--step-timeout"):
         A.engine_config_from_args(bad, src, PlanRequest())
+
+
+@pytest.mark.parametrize("status,reason,failed", [
+    ("stuck", "engine stuck: a step has run for more than --step-timeout 0.1 s", "engine stuck"),
+    ("dead", "step loop died: RuntimeError: device lost", "engine loop died: step loop died")])
+def test_the_server_watchdog_exits_1_for_a_stuck_or_dead_engine(status, reason, failed):
+    from types import SimpleNamespace
+
+    from fastdeploy_ext.entrypoints.openai.api_server import _watchdog
+    engine = SimpleNamespace(healthy=True, status="ready", reason=None, error=None)
+    exits = []
+    state = SimpleNamespace(engine=engine, engine_failed=None, request_exit=exits.append)
+
+    async def main():
+        task = asyncio.ensure_future(_watchdog(state, period=0.01))
+        await asyncio.sleep(0.05)
+        assert not task.done() and state.engine_failed is None        # healthy: it keeps watching
+        engine.healthy, engine.status, engine.reason = False, status, reason
+        engine.error = reason if status == "dead" else None
+        await asyncio.wait_for(task, 10)
+    asyncio.run(main())
+    assert exits == [1] and state.engine_failed.startswith(failed)
