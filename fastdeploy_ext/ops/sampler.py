@@ -40,6 +40,12 @@ class SampleResult:
     logprobs: list[dict | None] = field(default_factory=list)   # {"logprob", "rank"?, "top": [(id, lp)]}
     errors: list[str | None] = field(default_factory=list)      # per row: why it could not be sampled
 
+    def __post_init__(self):
+        # one entry per row always (a caller building a result by hand may leave these out)
+        n = len(self.token_ids)
+        self.logprobs = self.logprobs or [None] * n
+        self.errors = self.errors or [None] * n
+
 
 GREEDY_EPS = 1e-5        # a temperature below samples greedily (SamplingParams.validate's rule)
 
