@@ -195,6 +195,9 @@ def test_a_row_with_non_finite_logits_fails_alone(poison, mode):
         return [SampleRequest(generator=torch.Generator().manual_seed(i), **kw) for i in range(4)]
     res = sample(bad, reqs())
     clean = sample(x.clone(), reqs())
+    # unseeded rows share one multinomial call: the poisoned row must not break it either
+    free = sample(bad.clone(), [SampleRequest(temperature=0.8, top_k=10) for _ in range(4)])
+    assert free.errors[2] is not None and free.errors.count(None) == 3
     assert res.errors[2] is not None and "not finite" in res.errors[2]
     assert [res.errors[i] for i in (0, 1, 3)] == [None] * 3
     assert [res.token_ids[i] for i in (0, 1, 3)] == [clean.token_ids[i] for i in (0, 1, 3)]
