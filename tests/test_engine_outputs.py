@@ -54,13 +54,24 @@ def params(**kw):
 
 
 # --------------------------------------------------------------------------- stop strings
+def stepped(script, params):
+    """One streamed request through the synchronous engine: exactly one output per step."""
+    eng = make(script)
+    eng.add_request("r", {"prompt": "x"}, params, stream=True)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert eng.block_manager.num_used == 0
+    return outs
+
+
 def test_a_stop_string_never_leaks_into_the_stream():
     outs = stream(ids("ovcjkojque"), params(stop=["jk"]))
     final = outs[-1]
     assert final.finish_reason == "stop" and final.stop_reason == "jk" and final.text == "ovc"
     assert "".join(o.delta_text for o in outs) == "ovc"
-    # held back one character (len("jk") - 1) while the stop string might complete
-    assert [o.delta_text for o in outs[:4]] == ["", "o", "v", "c"]
+    # step by step: one character (len("jk") - 1) held back while the stop string might complete
+    assert [o.delta_text for o in stepped(ids("ovcjkojque"), params(stop=["jk"]))] == ["", "o", "v", "c", ""]
 
 
 def test_streams_join_to_the_final_text_with_and_without_the_stop_string():
@@ -82,11 +93,7 @@ def test_the_earliest_stop_string_in_the_text_wins_whatever_the_list_order():
 
 # --------------------------------------------------------------------------- deltas
 def test_outputs_are_deltas_whose_size_does_not_grow_with_the_sequence():
-    eng = make(ids("abcdefghij") * 30)
-    eng.add_request("r", {"prompt": "x"}, params(max_tokens=200, logprobs=2), stream=True)
-    outs = []
-    while eng.has_unfinished():
-        outs += eng.step()
+    outs = stepped(ids("abcdefghij") * 30, params(max_tokens=200, logprobs=2))
     running, final = outs[:-1], outs[-1]
     assert len(running) == 199 and final.finished
     for k, o in enumerate(running):
