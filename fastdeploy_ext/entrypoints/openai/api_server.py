@@ -5,14 +5,16 @@ configuration, listen at once (``/health`` says 503 until the engine can run a s
 engine in the background, watch it (if the step loop dies, ``/health`` turns 503 and the
 process exits 1 rather than hanging).
 SIGTERM drains: new API requests get 503, running and queued ones finish, then exit 0. A
-second SIGTERM, or SIGINT, stops at once (uvicorn's shutdown)."""
+second SIGTERM, or SIGINT, stops at once: every request still in flight is aborted in the engine
+and answered 503 (a stream gets an error event, then ``[DONE]``), and the process exits with
+status 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process
+killed by that signal; the answers are sent first."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import sys
@@ -34,7 +36,7 @@ from . import cli_args, protocol
 from .errors import APIError
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
-from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected
+from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected, sse
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -58,6 +60,7 @@ class ServerState:
     exit_code: int = 0
     server: uvicorn.Server | None = None
     tasks: list = field(default_factory=list)
+    stop_now: asyncio.Event = field(default_factory=asyncio.Event)    # set by a second SIGTERM / SIGINT
 
     def stats(self):
         return self.engine.stats() if self.engine_started else None
@@ -152,6 +155,64 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
+def _stopped_error() -> APIError:
+    return APIError(503, "the server is stopping now (a second SIGTERM, or SIGINT): the request was aborted; "
+                         "retry on another replica", code="server_stopping")
+
+
+async def _unless_stopped(work: asyncio.Future, stop: asyncio.Event):
+    """``work``'s result, unless the server stops now first: then ``work`` is cancelled (the chat
+    handler's cleanup aborts the request in the engine, wherever it was: fetching images, queued,
+    generating) and the client gets 503."""
+    halt = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise _stopped_error()
+    return work.result()
+
+
+async def _until_stopped(stream, stop: asyncio.Event):
+    """The SSE body, until the server stops now: then the stream is cancelled (its own `finally`
+    aborts the request in the engine) and the client gets a 503 error event and [DONE]."""
+    halt = asyncio.ensure_future(stop.wait())
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(stream.__anext__())
+            await asyncio.wait({step, halt}, return_when=asyncio.FIRST_COMPLETED)
+            if step.done():
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
+                continue
+            step.cancel()
+            await asyncio.wait({step})          # the stream's cleanup has run (request aborted)
+            yield sse(_stopped_error().body())
+            yield sse("[DONE]")
+            return
+    finally:
+        halt.cancel()
+        if step is not None and not step.done():
+            step.cancel()                       # cancelled mid-step (client gone): its finally aborts
+        else:
+            await stream.aclose()
+
+
+def _loggable(text: str, limit: int = 300) -> str:
+    """One log line's worth of a client-supplied message (no lone surrogates: the log stream
+    could not encode them)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 # ------------------------------------------------------------------ app
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
@@ -172,9 +233,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
+        # a refusal is the client's problem (or a 503/504 the client must retry): one line, no traceback
         state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
-        if err.status >= 500:
-            log.warning("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
+        log.warning("%s %s -> %d %s: %s", request.method, request.url.path, err.status, err.code or "",
+                    _loggable(err.message))
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -211,14 +273,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, f"the engine is not running: {state.engine_failed}", code="engine_dead")
         if not (state.engine_started and state.engine.ready):
             raise APIError(503, "the engine is still starting; poll /health", code="loading")
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        if state.stop_now.is_set():
+            raise _stopped_error()
+        body = protocol.parse_json_body(await request.body())     # 400 for any hostile body
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
-            result = await state.chat.create(body, disconnected)
+            result = await _unless_stopped(asyncio.ensure_future(state.chat.create(body, disconnected)),
+                                           state.stop_now)
         except _Disconnected:
             state.metrics.outcome("cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
@@ -228,7 +289,7 @@ def build_app(state: ServerState) -> FastAPI:
             disconnected.cancel()
         if isinstance(result, dict):
             return JSONResponse(result)
-        return DisconnectAwareSSE(result, media_type="text/event-stream",
+        return DisconnectAwareSSE(_until_stopped(result, state.stop_now), media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return Gate(app, state)
@@ -266,6 +327,8 @@ async def _drain(state: ServerState) -> None:
     ctx = state.chat.ctx
     log.info("SIGTERM: draining %d request(s) in flight; new requests get 503", ctx.inflight)
     await ctx.idle.wait()
+    if state.stop_now.is_set():
+        return                                  # a second signal took over (_stop_now)
     if state.engine_started:
         await state.engine.shutdown(drain=True)
         state.engine_started = False
@@ -273,25 +336,51 @@ async def _drain(state: ServerState) -> None:
     state.request_exit(0)
 
 
+async def _stop_now(state: ServerState, sig: int, grace_s: float = 2.0) -> None:
+    """Abort every request in flight with 503 (see `_until_stopped` and the chat route), give the
+    answers up to ``grace_s`` to go out, exit 128 + sig."""
+    code = 128 + sig
+    ctx = state.chat.ctx
+    log.warning("%s%s: aborting %d request(s) in flight with 503; exiting with status %d",
+                signal.Signals(sig).name, " while draining" if state.draining else "", ctx.inflight, code)
+    state.draining = True
+    state.stop_now.set()
+    try:
+        await asyncio.wait_for(ctx.idle.wait(), grace_s)
+    except asyncio.TimeoutError:
+        log.warning("%d request(s) still in flight after %g s; exiting anyway", ctx.inflight, grace_s)
+    state.request_exit(code)
+
+
 class _Server(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM drains instead of closing the listener."""
+    """uvicorn, except that the first SIGTERM drains instead of closing the listener, and a second
+    SIGTERM (or a SIGINT) aborts what is left with 503 and exits 128 + the signal (`_stop_now`)
+    instead of uvicorn's shutdown (which answers the rest 500 and re-raises the signal)."""
 
     def __init__(self, config, state: ServerState):
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+        if self._loop is None:
+            return super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and not self.state.draining:
             self.state.draining = True
             self._loop.call_soon_threadsafe(lambda: self.state.tasks.append(
                 asyncio.ensure_future(_drain(self.state))))
             return
-        super().handle_exit(sig, frame)
+        if sig in (signal.SIGTERM, signal.SIGINT) and not self._stopping:
+            self._stopping = True
+            self._loop.call_soon_threadsafe(lambda: self.state.tasks.append(
+                asyncio.ensure_future(_stop_now(self.state, sig))))
+            return
+        super().handle_exit(sig, frame)         # a third signal: uvicorn's own (SIGINT twice: force exit)
 
 
 # ------------------------------------------------------------------ flags -> objects

@@ -1,17 +1,103 @@
 """The request models of `/v1/chat/completions` and the response shapes.
 
 Parsing is strict: an unknown top-level parameter is a 400 that names it (a typo such as
-``max_token`` must not be silently ignored), and a wrong type is a 400 that names the field.
+``max_token`` must not be silently ignored), and a wrong type is a 400 that names the field
+(numbers are JSON numbers: ``true``, ``"5"`` or ``5.0`` is not an integer, as pydantic's lax mode
+would have it; an integer is a float).
 Ranges (temperature >= 0, top_p in (0, 1], ...) are the engine's `SamplingParams.validate`,
-checked once there. Responses are plain dicts built by the functions below (one per shape)."""
+checked once there. Before any of that, `parse_json_body` turns the raw bytes into JSON values
+the rest can trust (nesting depth bounded, text valid Unicode, numbers finite and 64-bit), so a
+hostile body is a 400 naming the problem, never a RecursionError, an overflow in the sampler or
+a tokenizer's TypeError. Responses are plain dicts built by the functions below (one per shape)."""
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from .errors import APIError, bad_request
+
+
+# ---------------------------------------------------------------------- the raw body
+#: Deepest nesting of arrays/objects a request may use. A chat request needs 5 (messages ->
+#: message -> content -> part -> image_url); the cap keeps recursive code (json, pydantic, repr)
+#: far from Python's recursion limit.
+MAX_JSON_DEPTH = 32
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _NonJSONConstant(str):
+    """What Python's json makes of NaN / Infinity / -Infinity (not JSON): kept as a marker so the
+    check below can name the field that carried it."""
+
+
+def _path(parts: list) -> str:
+    return ".".join(str(p) if isinstance(p, int) or not _SURROGATE.search(p) else ascii(p) for p in parts) or "body"
+
+
+def _int_text(v: int) -> str:
+    digits = str(abs(v))
+    return str(v) if len(digits) <= 24 else f"{'-' if v < 0 else ''}{digits[:6]}... ({len(digits)} digits)"
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Request bytes -> a JSON value, or APIError(400) naming the problem and where it is."""
+    try:
+        body = json.loads(raw, parse_constant=_NonJSONConstant)
+    except RecursionError:
+        raise bad_request(f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+        raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    check_json_values(body)
+    return body
+
+
+def check_json_values(body: Any) -> None:
+    """Walks the parsed body (iteratively: no recursion to exhaust) and refuses, naming the field:
+    nesting deeper than MAX_JSON_DEPTH; a lone UTF-16 surrogate in any string or key (``\\ud800``
+    is legal JSON but not Unicode: no tokenizer can encode it); an integer outside 64 bits (no
+    field means such a number; torch and the sampler overflow on it); a non-finite number
+    (1e999, NaN, Infinity)."""
+    stack: list[tuple[Any, list]] = [(body, [])]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, _NonJSONConstant):
+            raise bad_request(f"{_path(where)}: {str(v)} is not a JSON number", param=_path(where),
+                              code="invalid_json")
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m:
+                raise bad_request(f"{_path(where)}: the text has a lone UTF-16 surrogate "
+                                  f"U+{ord(m.group()):04X} at character {m.start()} (not valid Unicode; "
+                                  f"send astral characters as a surrogate pair)", param=_path(where),
+                                  code="invalid_unicode")
+        elif isinstance(v, bool):
+            pass
+        elif isinstance(v, int):
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise bad_request(f"{_path(where)}: the integer {_int_text(v)} is outside the 64-bit range "
+                                  f"[-2^63, 2^63 - 1]", param=_path(where), code="integer_out_of_range")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise bad_request(f"{_path(where)}: the number is out of range (not a finite 64-bit float)",
+                                  param=_path(where), code="number_out_of_range")
+        elif isinstance(v, (dict, list)):
+            if len(where) >= MAX_JSON_DEPTH:
+                raise bad_request(f"{_path(where[:3])}...: the request body nests arrays/objects deeper than "
+                                  f"{MAX_JSON_DEPTH} levels", param=_path(where[:1]), code="invalid_json")
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    if _SURROGATE.search(k):
+                        stack.append((k, where + [k]))
+                    stack.append((item, where + [k]))
+            else:
+                stack.extend((item, where + [i]) for i, item in enumerate(v))
 
 
 class _Strict(BaseModel):
@@ -53,38 +139,40 @@ class StreamOptions(_Strict):
 
 class MMProcessorKwargs(_Strict):
     """vLLM's per-request processor overrides; here the resize bounds of the image processor."""
-    min_pixels: int | None = Field(None, ge=1)
-    max_pixels: int | None = Field(None, ge=1)
+    min_pixels: StrictInt | None = Field(None, ge=1)
+    max_pixels: StrictInt | None = Field(None, ge=1)
 
 
 class RepetitionGuardOverride(_Strict):
     enabled: bool | None = None
-    max_period: int | None = None
-    min_repeats: int | None = None
-    min_span: int | None = None
+    max_period: StrictInt | None = None
+    min_repeats: StrictInt | None = None
+    min_span: StrictInt | None = None
 
 
 class ChatCompletionRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    # >= 1 checked here, not only in SamplingParams: the engine sees one name for both fields, so
+    # only the schema can name the one the client sent
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    n: int = 1
+    top_logprobs: StrictInt | None = None
+    n: StrictInt = 1
     user: str | None = None                # accepted, unused (OpenAI clients send it)
     # vLLM's extra parameters
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None
