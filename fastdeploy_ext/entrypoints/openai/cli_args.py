@@ -160,7 +160,7 @@ def resolve_api_key(ns: argparse.Namespace, environ=os.environ) -> tuple[str | N
     for name in API_KEY_ENV_VARS:
         if environ.get(name):
             return environ[name], name
-    return None, "not set (--api-key, " + ", ".join(API_KEY_ENV_VARS) + ")"
+    return None, "none of --api-key, " + ", ".join(API_KEY_ENV_VARS) + " is set"
 
 
 def redact_argv(tokens: list[str]) -> list[str]:
