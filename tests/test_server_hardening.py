@@ -180,7 +180,9 @@ def test_api_key_from_config_wins_and_is_never_logged(srv):
     assert "--api-key <redacted>" in out and "API key: required, from --api-key" in out
 
 
-def test_api_key_from_env_fd_first_then_vllm_never_logged():
+def test_api_key_from_env_fd_first_then_vllm_never_logged_and_sigint_exits_130():
+    """(This server also ends by SIGINT, idle: the stop-now path with nothing in flight, status
+    130, rather than uvicorn's shutdown re-raising the signal.)"""
     s = ServerProc("--max-model-len", "512", env={"FD_API_KEY": FD_ENV_KEY, "VLLM_API_KEY": VLLM_ENV_KEY})
     try:
         s.wait_healthy()
@@ -189,9 +191,12 @@ def test_api_key_from_env_fd_first_then_vllm_never_logged():
         assert httpx.get(url, headers={"Authorization": f"Bearer {VLLM_ENV_KEY}"}).status_code == 401
         assert httpx.get(url).status_code == 401
         assert "API key: required, from FD_API_KEY" in s.output
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(60) == 130, s.output
     finally:
-        assert s.stop() == 0, s.output
+        s.stop()
     assert FD_ENV_KEY not in s.output and VLLM_ENV_KEY not in s.output
+    assert "SIGINT: aborting 0 request(s) in flight with 503; exiting with status 130" in s.output
 
 
 # --------------------------------------------------------------------------- second SIGTERM
