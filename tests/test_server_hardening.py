@@ -270,7 +270,7 @@ json_values = st.recursive(_scalars, lambda kids: st.lists(kids, max_size=4)
 
 
 @seed(20261201)
-@settings(max_examples=300, deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(SAMPLING_FIELDS), json_values, min_size=1, max_size=4))
 def test_property_sampling_fields_are_400_naming_the_field_or_valid_params(fields):
     """Any JSON value in the sampling fields, through the server's own conversion (bytes ->

@@ -18,11 +18,10 @@ DATA, HTTP, HTTPS, FILE, PATH = "data", "http", "https", "file", ""
 
 @dataclass(frozen=True)
 class Source:
-    """``scheme``: lower-case (``PATH`` == "" for a plain path, or any other scheme as given, for
-    the caller to refuse); ``value``: the string as given; ``path``: the local path a plain path
-    or a ``file://`` URL names (percent-decoded; an optional ``localhost`` host dropped)."""
+    """``scheme``: lower-case (``PATH`` == "" for a plain path, or any other scheme, lower-cased,
+    for the caller to refuse); ``path``: the local path a plain path or a ``file://`` URL names
+    (percent-decoded; an optional ``localhost`` host dropped), None for the other schemes."""
     scheme: str
-    value: str
     path: str | None = None
 
 
@@ -31,17 +30,17 @@ def parse_source(value: str) -> Source:
     if m is not None:
         scheme, rest = m.group(1).lower(), value[m.end():]
         if scheme == DATA:
-            return Source(DATA, value)
+            return Source(DATA)
         if rest.startswith("//"):
             if scheme == FILE:
-                return Source(FILE, value, _file_url_path(rest[2:]))
-            return Source(scheme, value)
-    return Source(PATH, value, value)
+                return Source(FILE, _file_url_path(rest[2:]))
+            return Source(scheme)
+    return Source(PATH, value)
 
 
 def _file_url_path(rest: str) -> str:
     """``file://`` + rest -> the path: ``file:///abs`` and ``file://localhost/abs`` are /abs (RFC
-    8089); ``file://rel/x`` keeps naming the relative path rel/x, as it always did here."""
+    8089); ``file://rel/x`` names the relative path rel/x, as resolve_source always read it."""
     if rest[:10].lower() == "localhost/":
         rest = rest[9:]
     return unquote(rest)
