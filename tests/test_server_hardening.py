@@ -322,3 +322,20 @@ def test_recursion_error_from_the_json_decoder_is_a_400():
     with pytest.raises(APIError) as e:
         protocol.parse_json_body(DEEP)
     assert e.value.status == 400 and "deeper than 32 levels" in e.value.message
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_completion_tokens": False}, "max_completion_tokens"),     # lax pydantic: False == 0
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),         # not "max_tokens", which it feeds
+    ({"seed": "5"}, "seed"),
+    ({"top_k": 5.0}, "top_k"),
+    ({"stop_token_ids": [1, True]}, "stop_token_ids.1"),
+    ({"temperature": True}, "temperature"),
+    ({"repetition_guard": {"max_period": "8"}}, "repetition_guard.max_period"),
+])
+def test_numeric_fields_take_json_numbers_only(fields, param):
+    with pytest.raises(APIError) as e:
+        protocol.parse_chat_request({"messages": [{"role": "user", "content": "x"}], **fields})
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    ok = protocol.parse_chat_request({"messages": [{"role": "user", "content": "x"}], "temperature": 1, "seed": 5})
+    assert ok.temperature == 1.0 and ok.seed == 5                    # an integer is a float
