@@ -33,10 +33,10 @@ from ...engine.errors import EngineDead
 from .. import args as shared_args
 from ..args import CliError
 from . import cli_args, protocol
-from .errors import APIError
+from .errors import APIError, server_stopping
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
-from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected, sse
+from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -60,7 +60,6 @@ class ServerState:
     exit_code: int = 0
     server: uvicorn.Server | None = None
     tasks: list = field(default_factory=list)
-    stop_now: asyncio.Event = field(default_factory=asyncio.Event)    # set by a second SIGTERM / SIGINT
 
     def stats(self):
         return self.engine.stats() if self.engine_started else None
@@ -155,55 +154,28 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
-def _stopped_error() -> APIError:
-    return APIError(503, "the server is stopping now (a second SIGTERM, or SIGINT): the request was aborted; "
-                         "retry on another replica", code="server_stopping")
+def _stopping(state: ServerState) -> asyncio.Future:
+    """The server's one stop-now future (made in the serving loop on first use): the chat route
+    and every stream wait on it alongside their own work, so stopping costs no task per chunk."""
+    ctx = state.chat.ctx
+    if ctx.stopping is None:
+        ctx.stopping = asyncio.get_running_loop().create_future()
+    return ctx.stopping
 
 
-async def _unless_stopped(work: asyncio.Future, stop: asyncio.Event):
+async def _unless_stopped(work: asyncio.Future, stopping: asyncio.Future):
     """``work``'s result, unless the server stops now first: then ``work`` is cancelled (the chat
     handler's cleanup aborts the request in the engine, wherever it was: fetching images, queued,
     generating) and the client gets 503."""
-    halt = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        halt.cancel()
         if not work.done():
             work.cancel()
             await asyncio.wait({work})
     if work.cancelled():
-        raise _stopped_error()
+        raise server_stopping()
     return work.result()
-
-
-async def _until_stopped(stream, stop: asyncio.Event):
-    """The SSE body, until the server stops now: then the stream is cancelled (its own `finally`
-    aborts the request in the engine) and the client gets a 503 error event and [DONE]."""
-    halt = asyncio.ensure_future(stop.wait())
-    step = None
-    try:
-        while True:
-            step = asyncio.ensure_future(stream.__anext__())
-            await asyncio.wait({step, halt}, return_when=asyncio.FIRST_COMPLETED)
-            if step.done():
-                try:
-                    chunk = step.result()
-                except StopAsyncIteration:
-                    return
-                yield chunk
-                continue
-            step.cancel()
-            await asyncio.wait({step})          # the stream's cleanup has run (request aborted)
-            yield sse(_stopped_error().body())
-            yield sse("[DONE]")
-            return
-    finally:
-        halt.cancel()
-        if step is not None and not step.done():
-            step.cancel()                       # cancelled mid-step (client gone): its finally aborts
-        else:
-            await stream.aclose()
 
 
 def _loggable(text: str, limit: int = 300) -> str:
@@ -273,13 +245,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, f"the engine is not running: {state.engine_failed}", code="engine_dead")
         if not (state.engine_started and state.engine.ready):
             raise APIError(503, "the engine is still starting; poll /health", code="loading")
-        if state.stop_now.is_set():
-            raise _stopped_error()
+        if _stopping(state).done():
+            raise server_stopping()
         body = protocol.parse_json_body(await request.body())     # 400 for any hostile body
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             result = await _unless_stopped(asyncio.ensure_future(state.chat.create(body, disconnected)),
-                                           state.stop_now)
+                                           _stopping(state))
         except _Disconnected:
             state.metrics.outcome("cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
@@ -289,7 +261,7 @@ def build_app(state: ServerState) -> FastAPI:
             disconnected.cancel()
         if isinstance(result, dict):
             return JSONResponse(result)
-        return DisconnectAwareSSE(_until_stopped(result, state.stop_now), media_type="text/event-stream",
+        return DisconnectAwareSSE(result, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return Gate(app, state)
@@ -327,7 +299,7 @@ async def _drain(state: ServerState) -> None:
     ctx = state.chat.ctx
     log.info("SIGTERM: draining %d request(s) in flight; new requests get 503", ctx.inflight)
     await ctx.idle.wait()
-    if state.stop_now.is_set():
+    if _stopping(state).done():
         return                                  # a second signal took over (_stop_now)
     if state.engine_started:
         await state.engine.shutdown(drain=True)
@@ -337,14 +309,16 @@ async def _drain(state: ServerState) -> None:
 
 
 async def _stop_now(state: ServerState, sig: int, grace_s: float = 2.0) -> None:
-    """Abort every request in flight with 503 (see `_until_stopped` and the chat route), give the
-    answers up to ``grace_s`` to go out, exit 128 + sig."""
+    """Abort every request in flight with 503 (streams: ChatHandler._stream; the rest: the chat
+    route's `_unless_stopped`), give the answers up to ``grace_s`` to go out, exit 128 + sig."""
     code = 128 + sig
     ctx = state.chat.ctx
     log.warning("%s%s: aborting %d request(s) in flight with 503; exiting with status %d",
                 signal.Signals(sig).name, " while draining" if state.draining else "", ctx.inflight, code)
     state.draining = True
-    state.stop_now.set()
+    stopping = _stopping(state)
+    if not stopping.done():
+        stopping.set_result(None)
     try:
         await asyncio.wait_for(ctx.idle.wait(), grace_s)
     except asyncio.TimeoutError:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from ...engine.errors import EngineDead, InvalidRequest
 from ...engine.sampling_params import RepetitionGuard, SamplingParams
 from . import protocol
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, server_stopping
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -71,6 +71,7 @@ class ChatContext:
     max_concurrency: int
     repetition_guard: dict | None
     logprob_formatter: LogprobFormatter | None = None
+    stopping: asyncio.Future | None = None   # resolved when the server stops now: streams end with a 503 event
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)   # set while inflight == 0
     background: set = field(default_factory=set)                  # abort tasks kept alive until done
@@ -298,10 +299,15 @@ class ChatHandler:
                 if finish is not None:
                     break
                 try:
-                    out = await run.next()      # disconnect is the response's job (it cancels us)
+                    out = await run.next(self.ctx.stopping)    # disconnect is the response's job (it cancels us)
                 except APIError as e:
                     status = "timeout"
                     yield sse(e.body())
+                    yield sse("[DONE]")
+                    return
+                if out is None:                 # the server stops now; close() aborts the request
+                    status = "unavailable"
+                    yield sse(server_stopping().body())
                     yield sse("[DONE]")
                     return
             self._observe(out, t0, clock)
