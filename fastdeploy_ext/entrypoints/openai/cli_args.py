@@ -22,6 +22,7 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # Where the API key may come from, first wins: the flag (or its --config key), then these
 # environment variables (vLLM's name last, so one deployment's env works for both servers).
+# Not in envs.ALL on purpose: `fastdeploy-ext` prints every envs.ALL value, and this is a secret.
 API_KEY_ENV_VARS = ("FD_API_KEY", "VLLM_API_KEY")
 # Flags whose values are secrets: never logged (see redact_argv).
 SECRET_FLAGS = frozenset({"--api-key"})
