@@ -203,22 +203,27 @@ def test_api_key_from_env_fd_first_then_vllm_never_logged_and_sigint_exits_130()
 def test_second_sigterm_aborts_in_flight_with_503_and_exits_143():
     """Two long streams generating and one plain request held while fetching its image: SIGTERM
     drains (they keep running), a second SIGTERM answers all three 503 (the streams with an error
-    event, then [DONE]), frees the engine and exits 143 instead of hanging or dying by signal."""
+    event, then [DONE]), frees the engine and exits 143 instead of hanging or dying by signal.
+    (The key of this server comes from VLLM_API_KEY alone: the last source, never logged.)"""
     host = ImageHost(png_bytes(64, 48))
-    s = ServerProc("--max-model-len", "8192", "--media-fetch-timeout", "120")
+    s = ServerProc("--max-model-len", "8192", "--media-fetch-timeout", "120", env={"VLLM_API_KEY": VLLM_ENV_KEY})
+    auth = {"Authorization": f"Bearer {VLLM_ENV_KEY}"}
     try:
         s.wait_healthy()
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/v1/models", headers=auth).status_code == 200
         host.release.clear()
         plain: list = []
         t_plain = threading.Thread(target=lambda: plain.append(httpx.post(
-            s.url + "/v1/chat/completions", json=chat(host.url + "/hold.png", max_tokens=3), timeout=120)))
+            s.url + "/v1/chat/completions", json=chat(host.url + "/hold.png", max_tokens=3), headers=auth,
+            timeout=120)))
         t_plain.start()
         assert host.held.acquire(timeout=60)           # in flight, fetching its image
         streams: list[list[str]] = [[], []]
         started = [threading.Event(), threading.Event()]
 
         def stream(i):
-            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120,
+            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120, headers=auth,
                               json=chat(data_url(png_bytes(56, 56, seed=i)), max_tokens=7000, stream=True,
                                         **GREEDY, **NO_GUARD)) as r:
                 for line in r.iter_lines():
@@ -231,7 +236,7 @@ def test_second_sigterm_aborts_in_flight_with_503_and_exits_143():
         assert all(e.wait(60) for e in started)        # both generating
         s.proc.send_signal(signal.SIGTERM)
         for _ in range(200):                           # draining: new requests 503 "draining"
-            r = httpx.post(s.url + "/v1/chat/completions", json=chat(None, max_tokens=2), timeout=60)
+            r = httpx.post(s.url + "/v1/chat/completions", json=chat(None, max_tokens=2), headers=auth, timeout=60)
             if r.status_code == 503:
                 break
         assert error_of(r, 503)["code"] == "draining"
@@ -250,6 +255,7 @@ def test_second_sigterm_aborts_in_flight_with_503_and_exits_143():
         out = s.output
         assert "SIGTERM while draining: aborting 3 request(s) in flight with 503; exiting with status 143" in out
         assert "server exited with status 143" in out and "Traceback" not in out
+        assert "API key: required, from VLLM_API_KEY" in out and VLLM_ENV_KEY not in out
     finally:
         host.close()
         s.stop()
