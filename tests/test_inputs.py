@@ -112,8 +112,12 @@ def test_16_bit_gray_file_is_scaled_by_its_depth(fmt):
     assert np.array_equal(_gray(data), _box_expected(39))
 
 
-def test_16_bit_gradient_is_scaled_by_depth_not_by_its_own_range():
-    """A dark, narrow-range gradient stays dark (no min/max stretch), every value exact."""
+@pytest.mark.parametrize("chunk", [1 << 20, 300])      # 300: one row a block, 85 blocks
+def test_16_bit_gradient_is_scaled_by_depth_not_by_its_own_range(monkeypatch, chunk):
+    """A full-range gradient, every value exact (also when rescaled in many row blocks), and a
+    dark, narrow-range one stays dark (no min/max stretch)."""
+    from fastdeploy_ext.inputs import images
+    monkeypatch.setattr(images, "_PIXELS_PER_CHUNK", chunk)
     v = np.arange(0, 65536, 3, dtype=np.uint16)[:21845].reshape(85, 257)
     assert np.array_equal(_gray(_encode(Image.fromarray(v), "PNG")),
                           np.vectorize(lambda x: round(x * 255 / 65535))(v).astype(np.uint8))

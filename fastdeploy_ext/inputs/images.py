@@ -134,7 +134,7 @@ def _bomb_error(label: str, cap: int) -> ImageInputError:
 # 16-bit page turns white), so they are rescaled here by their bit depth: the full scale of the
 # format, never the image's own min/max (a faint page must stay faint, a dark one dark).
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
-_ROWS_PER_CHUNK = 1024          # rescale in row blocks: the wide temporaries stay small
+_PIXELS_PER_CHUNK = 1 << 20     # rescale in row blocks of ~1 Mi pixels: the int64 temporaries stay ~8 MiB
 
 
 def _tiff_tag(tags, tag: int):
@@ -168,17 +168,18 @@ def _rescale_to_l(img: Image.Image, sample_range: tuple[float, float]) -> Image.
     lo, hi = sample_range
     arr = np.asarray(img)
     out = np.empty(arr.shape, dtype=np.uint8)
-    for r in range(0, arr.shape[0], _ROWS_PER_CHUNK):
-        block = arr[r:r + _ROWS_PER_CHUNK]
+    rows = max(1, _PIXELS_PER_CHUNK // max(1, arr.shape[1]))
+    for r in range(0, arr.shape[0], rows):
+        block = arr[r:r + rows]
         if img.mode == "F":
             v = np.nan_to_num(block.astype(np.float64), nan=0.0)
-            out[r:r + _ROWS_PER_CHUNK] = np.rint(np.clip((v - lo) / (hi - lo), 0.0, 1.0) * 255)
+            out[r:r + rows] = np.rint(np.clip((v - lo) / (hi - lo), 0.0, 1.0) * 255)
         else:
             # integer arithmetic: exact round-to-nearest (hi - lo is odd, so never a tie)
             span = int(hi) - int(lo)
             v = np.clip(block.astype(np.int64) - int(lo), 0, span)
-            out[r:r + _ROWS_PER_CHUNK] = (v * 255 + span // 2) // span
-    return Image.fromarray(out, mode="L")
+            out[r:r + rows] = (v * 255 + span // 2) // span
+    return Image.fromarray(out)                    # uint8, 2-D: mode L
 
 
 def _convert_rgb(img: Image.Image, sample_range: tuple[float, float] | None = None) -> Image.Image:
@@ -190,7 +191,7 @@ def _convert_rgb(img: Image.Image, sample_range: tuple[float, float] | None = No
         key = img.info.get("transparency")        # a 16-bit PNG's tRNS: one gray value
         if isinstance(key, (int, float)) and not isinstance(key, bool):
             import numpy as np
-            alpha = Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8), mode="L")
+            alpha = Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8))
             white = Image.new("L", gray.size, 255)
             gray = Image.composite(gray, white, alpha)
         return gray.convert("RGB")
