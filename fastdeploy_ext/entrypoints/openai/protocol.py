@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import time
 from typing import Any, Literal, Union
 
@@ -243,7 +244,9 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         parts = []
         for err in errs[:3]:
             where = _loc(err["loc"]) or "body"
-            parts.append(f"{where}: {err['msg']}" + (f" (got {err['input']!r:.80})" if err["type"] != "missing" else ""))
+            # reprlib: bounded work for a huge input (a 10M-item list in the wrong field)
+            got = f" (got {reprlib.repr(err['input'])[:80]})" if err["type"] != "missing" else ""
+            parts.append(f"{where}: {err['msg']}{got}")
         raise bad_request("invalid request: " + "; ".join(parts), param=_loc(errs[0]["loc"]) or None) from None
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
