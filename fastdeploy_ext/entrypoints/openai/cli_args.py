@@ -180,6 +180,8 @@ def redact_argv(tokens: list[str]) -> list[str]:
 
 
 def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> ServerConfig:
+    api_key, key_source = resolve_api_key(ns)
+    log.info("API key: %s", f"required, from {key_source}" if api_key else f"off ({key_source})")
     if ns.tensor_parallel_size != 1:
         raise CliError(f"--tensor-parallel-size {ns.tensor_parallel_size}: only 1 is supported "
                        f"(one device per server; run one server per device behind a load balancer)")
@@ -194,8 +196,6 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
             RepetitionGuard(**ns.repetition_guard).validate()
         except (TypeError, ValueError) as e:
             raise CliError(f"--repetition-guard: {e}") from None
-    api_key, key_source = resolve_api_key(ns)
-    log.info("API key: %s", f"required, from {key_source}" if api_key else f"off ({key_source})")
     return ServerConfig(host=ns.host, port=ns.port, metrics_port=ns.metrics_port,
                         served_model_names=tuple(ns.served_model_name or [default_model_name]),
                         api_key=api_key, request_timeout=ns.request_timeout,

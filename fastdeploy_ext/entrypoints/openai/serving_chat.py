@@ -71,10 +71,10 @@ class ChatContext:
     max_concurrency: int
     repetition_guard: dict | None
     logprob_formatter: LogprobFormatter | None = None
-    stopping: asyncio.Future | None = None   # resolved when the server stops now: streams end with a 503 event
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)   # set while inflight == 0
     background: set = field(default_factory=set)                  # abort tasks kept alive until done
+    stopping: asyncio.Future | None = None   # resolved when the server stops now: streams end with a 503 event
 
     def __post_init__(self):
         self.idle.set()
