@@ -33,10 +33,10 @@ from ...engine.errors import EngineDead
 from .. import args as shared_args
 from ..args import CliError
 from . import cli_args, protocol
-from .errors import APIError, server_stopping
+from .errors import APIError
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
-from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected
+from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected, unless_stopped
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -156,26 +156,12 @@ async def _wait_disconnect(receive) -> None:
 
 def _stopping(state: ServerState) -> asyncio.Future:
     """The server's one stop-now future (made in the serving loop on first use): the chat route
-    and every stream wait on it alongside their own work, so stopping costs no task per chunk."""
+    (serving_chat.unless_stopped) and every stream wait on it alongside their own work, so
+    stopping costs no task per chunk."""
     ctx = state.chat.ctx
     if ctx.stopping is None:
         ctx.stopping = asyncio.get_running_loop().create_future()
     return ctx.stopping
-
-
-async def _unless_stopped(work: asyncio.Future, stopping: asyncio.Future):
-    """``work``'s result, unless the server stops now first: then ``work`` is cancelled (the chat
-    handler's cleanup aborts the request in the engine, wherever it was: fetching images, queued,
-    generating) and the client gets 503."""
-    try:
-        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            await asyncio.wait({work})
-    if work.cancelled():
-        raise server_stopping()
-    return work.result()
 
 
 def _loggable(text: str, limit: int = 300) -> str:
@@ -245,13 +231,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, f"the engine is not running: {state.engine_failed}", code="engine_dead")
         if not (state.engine_started and state.engine.ready):
             raise APIError(503, "the engine is still starting; poll /health", code="loading")
-        if _stopping(state).done():
-            raise server_stopping()
         body = protocol.parse_json_body(await request.body())     # 400 for any hostile body
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            result = await _unless_stopped(asyncio.ensure_future(state.chat.create(body, disconnected)),
-                                           _stopping(state))
+        try:   # 503 if the server stops now, before or while the request runs
+            result = await unless_stopped(asyncio.ensure_future(state.chat.create(body, disconnected)),
+                                          _stopping(state))
         except _Disconnected:
             state.metrics.outcome("cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
@@ -310,7 +294,7 @@ async def _drain(state: ServerState) -> None:
 
 async def _stop_now(state: ServerState, sig: int, grace_s: float = 2.0) -> None:
     """Abort every request in flight with 503 (streams: ChatHandler._stream; the rest: the chat
-    route's `_unless_stopped`), give the answers up to ``grace_s`` to go out, exit 128 + sig."""
+    route's `unless_stopped`), give the answers up to ``grace_s`` to go out, exit 128 + sig."""
     code = 128 + sig
     ctx = state.chat.ctx
     log.warning("%s%s: aborting %d request(s) in flight with 503; exiting with status %d",

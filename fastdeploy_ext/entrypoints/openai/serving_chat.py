@@ -116,6 +116,21 @@ async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> list
     return messages
 
 
+async def unless_stopped(work: asyncio.Future, stopping: asyncio.Future):
+    """``work``'s result (a request's `ChatHandler.create`), unless the server stops now first (or
+    already has): then ``work`` is cancelled, its cleanup aborts the request in the engine
+    wherever it was (fetching images, queued, generating), and the client gets 503."""
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise server_stopping()
+    return work.result()
+
+
 class _Run:
     """One admitted request's engine stream, its deadline and its cleanup."""
 
