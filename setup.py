@@ -40,7 +40,8 @@ setup(
         # metrics, httpx for http(s) image URLs and for `bench serve`'s load generator
         "serve": SERVE,
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
-        # interpreter-mode tests on the CPU; the server tests drive the server with `openai`.
+        # interpreter-mode tests on the CPU; the server tests drive the server with `openai`;
+        # hypothesis runs the property tests (fixed seeds and example counts).
         "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",
                  "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  "openai>=1.40", "hypothesis>=6", *SERVE],

@@ -117,3 +117,35 @@ def test_watchdog_dead_step_loop_turns_health_503_and_exits_1():
         assert state.exit_code == 1
         await state.engine.shutdown(drain=False)
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("flag,env,expected", [
+    ("from-flag", {"FD_API_KEY": "fd", "VLLM_API_KEY": "vllm"}, ("from-flag", "--api-key")),
+    (None, {"FD_API_KEY": "fd", "VLLM_API_KEY": "vllm"}, ("fd", "FD_API_KEY")),
+    (None, {"VLLM_API_KEY": "vllm"}, ("vllm", "VLLM_API_KEY")),
+    (None, {"FD_API_KEY": "", "VLLM_API_KEY": "vllm"}, ("vllm", "VLLM_API_KEY")),     # empty = unset
+    (None, {}, (None, "none of --api-key, FD_API_KEY, VLLM_API_KEY is set")),
+])
+def test_api_key_sources_in_order(flag, env, expected):
+    ns = parse(["--load-format", "dummy"] + (["--api-key", flag] if flag else []))
+    assert cli_args.resolve_api_key(ns, environ=env) == expected
+
+
+def test_empty_api_key_flag_is_an_error_not_auth_off(monkeypatch):
+    with pytest.raises(cli_args.CliError, match="--api-key is empty"):
+        cli_args.resolve_api_key(parse(["--load-format", "dummy", "--api-key", ""]), environ={})
+
+
+def test_api_key_is_redacted_in_the_config_echo(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("FD_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    f = tmp_path / "serve.yaml"
+    f.write_text("api_key: sk-secret-123\nport: 9000\n")
+    with caplog.at_level("INFO"):
+        ns = parse(["--config", str(f), "--load-format", "dummy"])
+        cfg = cli_args.server_config_from_args(ns, "m")
+    assert cfg.api_key == "sk-secret-123"
+    assert "sk-secret-123" not in caplog.text
+    assert "--api-key <redacted> --port 9000" in caplog.text and "API key: required, from --api-key" in caplog.text
+    assert cli_args.redact_argv(["--api-key=k", "--api-key", "k", "--port", "1"]) == [
+        "--api-key=<redacted>", "--api-key", "<redacted>", "--port", "1"]

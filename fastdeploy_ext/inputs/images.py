@@ -22,6 +22,8 @@ from typing import Any, Callable, Union
 from PIL import Image, ImageOps
 
 from .. import envs
+from . import sources
+from .sources import data_url_head, parse_source
 
 #: Default decode cap: 64 Mi pixels (e.g. 8192 x 8192). Override with FD_MAX_IMAGE_PIXELS or
 #: PreprocessorConfig(max_image_pixels=...).
@@ -56,13 +58,14 @@ class ImageInputError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 def decode_data_url(url: str, label: str = "<data URL>") -> bytes:
-    """``data:image/...;base64,<payload>`` -> the encoded image bytes."""
-    head, sep, data = url.partition(",")
-    if not sep or not head.startswith("data:") or ";base64" not in head:
+    """``data:image/...;base64,<payload>`` -> the encoded image bytes (the scheme and the
+    ``;base64`` marker in any case, as URLs allow)."""
+    parsed = data_url_head(url)
+    if parsed is None or ";base64" not in parsed[0]:
         raise ImageInputError(label, f"image data URL must be 'data:image/...;base64,...', got {url[:40]!r}...",
                               "Encode the image file's bytes in base64")
     try:
-        payload = base64.b64decode(data, validate=True)
+        payload = base64.b64decode(parsed[1], validate=True)
     except (binascii.Error, ValueError):
         raise ImageInputError(label, "image data URL has an invalid base64 payload",
                               "Encode the image file's bytes in base64") from None
@@ -74,16 +77,18 @@ def decode_data_url(url: str, label: str = "<data URL>") -> bytes:
 def resolve_source(obj: Any, label: str | None = None) -> ImageSource:
     """A user-facing image value -> what :func:`load_image` reads: ``data:`` URLs are decoded,
     ``file://`` becomes a path, http(s) URLs are refused (nothing is fetched), paths, bytes and
-    PIL images pass through."""
+    PIL images pass through. Schemes are read by `inputs.sources.parse_source` (any case)."""
     if isinstance(obj, str):
-        if obj.startswith("data:"):
+        src = parse_source(obj)          # the server's media fetcher reads strings the same way
+        if src.scheme == sources.DATA:
             return decode_data_url(obj, label or "<data URL>")
-        if obj.startswith(("http://", "https://")):
+        if src.scheme in (sources.HTTP, sources.HTTPS):
             raise ImageInputError(label or obj[:60], "remote images are not fetched",
                                   "Send the bytes as a data URL or a local path")
-        if obj.startswith("file://"):
-            return obj[len("file://"):]
-        return obj
+        if src.scheme not in (sources.FILE, sources.PATH):
+            raise ImageInputError(label or obj[:60], f"unsupported URL scheme {src.scheme!r}",
+                                  "Pass a file path, a file:// or data: URL")
+        return src.path
     if isinstance(obj, (bytes, bytearray, memoryview, os.PathLike, Image.Image)):
         return obj
     raise ImageInputError(label or f"<{type(obj).__name__}>", f"unsupported image input type {type(obj).__name__}",
@@ -126,8 +131,71 @@ def _bomb_error(label: str, cap: int) -> ImageInputError:
         f"Downscale it before sending, or raise {MAX_IMAGE_PIXELS_ENV} / max_image_pixels if it is legitimate")
 
 
-def _convert_rgb(img: Image.Image) -> Image.Image:
-    """transformers' convert_to_rgb for PIL images: transparency composited onto white."""
+# Modes whose samples do not fit 8 bits. PIL's own convert("RGB"/"L") clips them to 0..255 (a
+# 16-bit page turns white), so they are rescaled here by their bit depth: the full scale of the
+# format, never the image's own min/max (a faint page must stay faint, a dark one dark).
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+_PIXELS_PER_CHUNK = 1 << 20     # rescale in row blocks of ~1 Mi pixels: the int64 temporaries stay ~8 MiB
+
+
+def _tiff_tag(tags, tag: int):
+    v = tags.get(tag)                             # PIL gives per-sample tags as tuples
+    return v[0] if isinstance(v, tuple) and v else v
+
+
+def _sample_range(img: Image.Image) -> tuple[float, float]:
+    """(value shown black, value shown white) for a high-bit-depth mode.
+
+    I;16*: 0..65535. I: PIL's 32-bit container; its real depth is the file's: TIFF BitsPerSample
+    (SampleFormat 2 = signed, whose negatives show black), 16 bits otherwise (PNG and PNM are at
+    most 16 bits deep, and an in-memory I image is, by PIL's convention, 16-bit samples such as
+    ``convert("I")`` of an I;16 image). F: floats in 0..1 (TIFF's and numpy's convention)."""
+    if img.mode == "F":
+        return 0.0, 1.0
+    if img.mode == "I":
+        tags = getattr(img, "tag_v2", None) or {}
+        bits, sample_format = _tiff_tag(tags, 258), _tiff_tag(tags, 339)
+        signed = sample_format == 2
+        if isinstance(bits, int) and 8 < bits <= 32:
+            return 0, (1 << (bits - 1 if signed else bits)) - 1
+    return 0, 65535
+
+
+def _rescale_to_l(img: Image.Image, sample_range: tuple[float, float]) -> Image.Image:
+    """A high-bit-depth single-channel image -> mode L, value v -> round(255 * (v - lo) / (hi - lo)),
+    clipped to 0..255."""
+    import numpy as np
+
+    lo, hi = sample_range
+    arr = np.asarray(img)
+    out = np.empty(arr.shape, dtype=np.uint8)
+    rows = max(1, _PIXELS_PER_CHUNK // max(1, arr.shape[1]))
+    for r in range(0, arr.shape[0], rows):
+        block = arr[r:r + rows]
+        if img.mode == "F":
+            v = np.nan_to_num(block.astype(np.float64), nan=0.0)
+            out[r:r + rows] = np.rint(np.clip((v - lo) / (hi - lo), 0.0, 1.0) * 255)
+        else:
+            # integer arithmetic: exact round-to-nearest (hi - lo is odd, so never a tie)
+            span = int(hi) - int(lo)
+            v = np.clip(block.astype(np.int64) - int(lo), 0, span)
+            out[r:r + rows] = (v * 255 + span // 2) // span
+    return Image.fromarray(out)                    # uint8, 2-D: mode L
+
+
+def _convert_rgb(img: Image.Image, sample_range: tuple[float, float] | None = None) -> Image.Image:
+    """transformers' convert_to_rgb for PIL images: transparency composited onto white; high
+    bit depths (I;16*, I, F) scaled to 8 bits by their depth first (``sample_range``, default
+    `_sample_range(img)`: pass the opened file's, since a transposed copy loses its TIFF tags)."""
+    if img.mode in _SIXTEEN_BIT_MODES or img.mode in ("I", "F"):
+        gray = _rescale_to_l(img, sample_range or _sample_range(img))
+        key = img.info.get("transparency")        # a 16-bit PNG's tRNS: one gray value
+        if isinstance(key, (int, float)) and not isinstance(key, bool):
+            import numpy as np
+            alpha = Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8))
+            white = Image.new("L", gray.size, 255)
+            gray = Image.composite(gray, white, alpha)
+        return gray.convert("RGB")
     has_alpha = "A" in img.getbands() or img.info.get("transparency") is not None
     if has_alpha:
         rgba = img.convert("RGBA")
@@ -227,9 +295,10 @@ def load_image(src: ImageSource, name: str | None = None, *, max_image_pixels: i
             img.load()  # force the full decode here so truncation/corruption surfaces now
             if img.size != (w, h):  # a few formats (ICO, EPS, ...) settle their size on load
                 _check_size(label, *img.size)
+            depth = _sample_range(img)          # from the file's tags, which a transposed copy lacks
             if exif_transpose:
                 img = ImageOps.exif_transpose(img)
-            rgb = _convert_rgb(img)
+            rgb = _convert_rgb(img, depth)
             rgb.load()
     except ImageInputError:
         raise

@@ -5,14 +5,16 @@ configuration, listen at once (``/health`` says 503 until the engine can run a s
 engine in the background, watch it (if the step loop dies, ``/health`` turns 503 and the
 process exits 1 rather than hanging).
 SIGTERM drains: new API requests get 503, running and queued ones finish, then exit 0. A
-second SIGTERM, or SIGINT, stops at once (uvicorn's shutdown)."""
+second SIGTERM, or SIGINT, stops at once: every request still in flight is aborted in the engine
+and answered 503 (a stream gets an error event, then ``[DONE]``), and the process exits with
+status 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process
+killed by that signal; the answers are sent first."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import sys
@@ -34,7 +36,7 @@ from . import cli_args, protocol
 from .errors import APIError
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
-from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected
+from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected, unless_stopped
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -152,6 +154,23 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
+def _stopping(state: ServerState) -> asyncio.Future:
+    """The server's one stop-now future (made in the serving loop on first use): the chat route
+    (serving_chat.unless_stopped) and every stream wait on it alongside their own work, so
+    stopping costs no task per chunk."""
+    ctx = state.chat.ctx
+    if ctx.stopping is None:
+        ctx.stopping = asyncio.get_running_loop().create_future()
+    return ctx.stopping
+
+
+def _loggable(text: str, limit: int = 300) -> str:
+    """One log line's worth of a client-supplied message (no lone surrogates: the log stream
+    could not encode them)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 # ------------------------------------------------------------------ app
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
@@ -172,9 +191,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
+        # a refusal is the client's problem (or a 503/504 the client must retry): one line, no traceback
         state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
-        if err.status >= 500:
-            log.warning("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
+        log.warning("%s %s -> %d %s: %s", request.method, request.url.path, err.status, err.code or "",
+                    _loggable(err.message))
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -211,14 +231,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, f"the engine is not running: {state.engine_failed}", code="engine_dead")
         if not (state.engine_started and state.engine.ready):
             raise APIError(503, "the engine is still starting; poll /health", code="loading")
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        body = protocol.parse_json_body(await request.body())     # 400 for any hostile body
         disconnected = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            result = await state.chat.create(body, disconnected)
+        try:   # 503 if the server stops now, before or while the request runs
+            result = await unless_stopped(asyncio.ensure_future(state.chat.create(body, disconnected)),
+                                          _stopping(state))
         except _Disconnected:
             state.metrics.outcome("cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
@@ -268,6 +285,8 @@ async def _drain(state: ServerState) -> None:
     ctx = state.chat.ctx
     log.info("SIGTERM: draining %d request(s) in flight; new requests get 503", ctx.inflight)
     await ctx.idle.wait()
+    if _stopping(state).done():
+        return                                  # a second signal took over (_stop_now)
     if state.engine_started:
         await state.engine.shutdown(drain=True)
         state.engine_started = False
@@ -275,25 +294,53 @@ async def _drain(state: ServerState) -> None:
     state.request_exit(0)
 
 
+async def _stop_now(state: ServerState, sig: int, grace_s: float = 2.0) -> None:
+    """Abort every request in flight with 503 (streams: ChatHandler._stream; the rest: the chat
+    route's `unless_stopped`), give the answers up to ``grace_s`` to go out, exit 128 + sig."""
+    code = 128 + sig
+    ctx = state.chat.ctx
+    log.warning("%s%s: aborting %d request(s) in flight with 503; exiting with status %d",
+                signal.Signals(sig).name, " while draining" if state.draining else "", ctx.inflight, code)
+    state.draining = True
+    stopping = _stopping(state)
+    if not stopping.done():
+        stopping.set_result(None)
+    try:
+        await asyncio.wait_for(ctx.idle.wait(), grace_s)
+    except asyncio.TimeoutError:
+        log.warning("%d request(s) still in flight after %g s; exiting anyway", ctx.inflight, grace_s)
+    state.request_exit(code)
+
+
 class _Server(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM drains instead of closing the listener."""
+    """uvicorn, except that the first SIGTERM drains instead of closing the listener, and a second
+    SIGTERM (or a SIGINT) aborts what is left with 503 and exits 128 + the signal (`_stop_now`)
+    instead of uvicorn's shutdown (which answers the rest 500 and re-raises the signal)."""
 
     def __init__(self, config, state: ServerState):
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+        if self._loop is None:
+            return super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and not self.state.draining:
             self.state.draining = True
             self._loop.call_soon_threadsafe(lambda: self.state.tasks.append(
                 asyncio.ensure_future(_drain(self.state))))
             return
-        super().handle_exit(sig, frame)
+        if sig in (signal.SIGTERM, signal.SIGINT) and not self._stopping:
+            self._stopping = True
+            self._loop.call_soon_threadsafe(lambda: self.state.tasks.append(
+                asyncio.ensure_future(_stop_now(self.state, sig))))
+            return
+        super().handle_exit(sig, frame)         # a third signal: uvicorn's own (SIGINT twice: force exit)
 
 
 # ------------------------------------------------------------------ flags -> objects

@@ -20,6 +20,14 @@ log = logging.getLogger("fastdeploy_ext")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
+# Where the API key may come from, first wins: the flag (or its --config key), then these
+# environment variables (vLLM's name last, so one deployment's env works for both servers).
+# Not in envs.ALL on purpose: `fastdeploy-ext` prints every envs.ALL value, and this is a secret.
+API_KEY_ENV_VARS = ("FD_API_KEY", "VLLM_API_KEY")
+# Flags whose values are secrets: never logged (see redact_argv).
+SECRET_FLAGS = frozenset({"--api-key"})
+REDACTED = "<redacted>"
+
 # FastDeploy flags with no meaning in this single-process server. They are accepted (so a
 # FastDeploy launch line works unchanged) and each is named in one log line with the reason.
 IGNORED_FASTDEPLOY_FLAGS: dict[str, str] = {
@@ -107,7 +115,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="also serve /metrics on this port (it is always on the main port too)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send as `model` (default: the --model path, or 'dummy')")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $FD_API_KEY, then $VLLM_API_KEY; "
+                        "never logged)")
     g.add_argument("--request-timeout", type=_positive(float), default=600.0,
                    help="seconds a chat request may take; past it the request is aborted and answered 504")
     g.add_argument("--allowed-local-media-path", default=None,
@@ -141,7 +151,37 @@ def notice_ignored_flags(ns: argparse.Namespace) -> list[str]:
     return lines
 
 
+def resolve_api_key(ns: argparse.Namespace, environ=os.environ) -> tuple[str | None, str]:
+    """(the key or None, where it came from). The flag wins; an empty environment variable counts
+    as unset (as vLLM reads VLLM_API_KEY), an empty flag is an error (it would mean no auth)."""
+    if ns.api_key is not None:
+        if not ns.api_key:
+            raise CliError("--api-key is empty (omit it to serve without a key)")
+        return ns.api_key, "--api-key"
+    for name in API_KEY_ENV_VARS:
+        if environ.get(name):
+            return environ[name], name
+    return None, "none of --api-key, " + ", ".join(API_KEY_ENV_VARS) + " is set"
+
+
+def redact_argv(tokens: list[str]) -> list[str]:
+    """Command-line tokens with the values of SECRET_FLAGS replaced, for logging."""
+    out, hide_next = [], False
+    for t in tokens:
+        flag, eq, _ = t.partition("=")
+        if hide_next:
+            out.append(REDACTED)
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}")
+        else:
+            out.append(t)
+        hide_next = not eq and t in SECRET_FLAGS
+    return out
+
+
 def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> ServerConfig:
+    api_key, key_source = resolve_api_key(ns)
+    log.info("API key: %s", f"required, from {key_source}" if api_key else f"off ({key_source})")
     if ns.tensor_parallel_size != 1:
         raise CliError(f"--tensor-parallel-size {ns.tensor_parallel_size}: only 1 is supported "
                        f"(one device per server; run one server per device behind a load balancer)")
@@ -158,7 +198,7 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
             raise CliError(f"--repetition-guard: {e}") from None
     return ServerConfig(host=ns.host, port=ns.port, metrics_port=ns.metrics_port,
                         served_model_names=tuple(ns.served_model_name or [default_model_name]),
-                        api_key=ns.api_key, request_timeout=ns.request_timeout,
+                        api_key=api_key, request_timeout=ns.request_timeout,
                         allowed_local_media_path=media_root, max_concurrency=ns.max_concurrency,
                         max_body_bytes=ns.max_request_body_bytes, media_fetch_timeout=ns.media_fetch_timeout,
                         repetition_guard=ns.repetition_guard, log_level=ns.uvicorn_log_level)
@@ -213,5 +253,5 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
         for v in values:
             tokens.append(json.dumps(v) if isinstance(v, (dict, list)) else
                           ("true" if v is True else "false" if v is False else str(v)))
-    log.info("--config %s: %s", path, " ".join(tokens))
+    log.info("--config %s: %s", path, " ".join(redact_argv(tokens)))
     return tokens + rest

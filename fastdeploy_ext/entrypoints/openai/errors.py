@@ -44,3 +44,10 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
+
+
+def server_stopping() -> APIError:
+    """The answer to every request still in flight when the server stops now (a second SIGTERM,
+    or SIGINT): the request was aborted, another replica can take it."""
+    return APIError(503, "the server is stopping now (a second SIGTERM, or SIGINT): the request was aborted; "
+                         "retry on another replica", code="server_stopping")

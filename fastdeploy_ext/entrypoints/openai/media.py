@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import httpx
 
+from ...inputs import sources
+from ...inputs.sources import parse_source
 from .errors import bad_request
 
 
@@ -49,16 +50,14 @@ class MediaFetcher:
         if not isinstance(url, str) or not url.strip():
             raise bad_request(f"{label}: the image URL is empty", param="messages")
         url = url.strip()
-        scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
-        if scheme == "data":
+        src = parse_source(url)        # the engine's resolve_source reads strings the same way
+        if src.scheme == sources.DATA:
             return url
-        if scheme in ("http", "https"):
+        if src.scheme in (sources.HTTP, sources.HTTPS):
             return await self._fetch_http(url, label)
-        if scheme == "file":
-            return self._local(unquote(urlparse(url).path), label)
-        if scheme == "":
-            return self._local(url, label)
-        raise bad_request(f"{label}: unsupported URL scheme {scheme!r} (use data:, http(s):// or a local path)",
+        if src.scheme in (sources.FILE, sources.PATH):
+            return self._local(src.path, label)
+        raise bad_request(f"{label}: unsupported URL scheme {src.scheme!r} (use data:, http(s):// or a local path)",
                           param="messages")
 
     def _check_size(self, n: int, label: str) -> None:

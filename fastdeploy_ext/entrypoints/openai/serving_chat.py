@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from ...engine.errors import EngineDead, InvalidRequest
 from ...engine.sampling_params import RepetitionGuard, SamplingParams
 from . import protocol
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, server_stopping
 
 log = logging.getLogger("fastdeploy_ext.server")
 
@@ -74,6 +74,7 @@ class ChatContext:
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)   # set while inflight == 0
     background: set = field(default_factory=set)                  # abort tasks kept alive until done
+    stopping: asyncio.Future | None = None   # resolved when the server stops now: streams end with a 503 event
 
     def __post_init__(self):
         self.idle.set()
@@ -113,6 +114,21 @@ async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> list
         else:
             messages.append({"role": m.role, "content": m.content or ""})
     return messages
+
+
+async def unless_stopped(work: asyncio.Future, stopping: asyncio.Future):
+    """``work``'s result (a request's `ChatHandler.create`), unless the server stops now first (or
+    already has): then ``work`` is cancelled, its cleanup aborts the request in the engine
+    wherever it was (fetching images, queued, generating), and the client gets 503."""
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        raise server_stopping()
+    return work.result()
 
 
 class _Run:
@@ -297,10 +313,15 @@ class ChatHandler:
                 if finish is not None:
                     break
                 try:
-                    out = await run.next()      # disconnect is the response's job (it cancels us)
+                    out = await run.next(self.ctx.stopping)    # disconnect is the response's job (it cancels us)
                 except APIError as e:
                     status = "timeout"
                     yield sse(e.body())
+                    yield sse("[DONE]")
+                    return
+                if out is None:                 # the server stops now; close() aborts the request
+                    status = "unavailable"
+                    yield sse(server_stopping().body())
                     yield sse("[DONE]")
                     return
             self._observe(out, t0, clock)
