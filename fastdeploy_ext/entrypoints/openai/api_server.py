@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ... import envs
-from ...engine.errors import EngineDead
+from ...engine.errors import EngineDead, RequestFailed
 from .. import args as shared_args
 from ..args import CliError
 from . import cli_args, protocol
@@ -209,6 +209,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.engine_started and not state.engine.healthy:
+            # at once, not at the watchdog's next poll: "stuck" (a step past --step-timeout) or "dead"
+            status = getattr(state.engine, "status", "dead")
+            reason = state.engine_failed or getattr(state.engine, "reason", None)
+            return JSONResponse({"status": status, "reason": reason}, status_code=503)
         if state.engine_failed:
             return JSONResponse({"status": "dead", "reason": state.engine_failed}, status_code=503)
         if state.draining:
@@ -241,6 +246,8 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)     # nobody reads it; the request is aborted
         except EngineDead as e:                  # the watchdog is about to exit the process
             raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from None
+        except RequestFailed as e:               # this request alone failed; the engine serves on
+            raise APIError(500, str(e), code="request_failed") from None
         finally:
             disconnected.cancel()
         if isinstance(result, dict):

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ...engine.errors import EngineDead, InvalidRequest
+from ...engine.errors import EngineDead, InvalidRequest, RequestFailed
 from ...engine.sampling_params import RepetitionGuard, SamplingParams
 from . import protocol
 from .errors import APIError, bad_request, server_stopping
@@ -332,6 +332,9 @@ class ChatHandler:
         except EngineDead as e:
             status = "error"
             yield sse(APIError(500, f"the engine stopped: {e}").body())
+        except RequestFailed as e:          # this request alone failed; the others stream on
+            status = "error"
+            yield sse(APIError(500, str(e), code="request_failed").body())
         finally:
             if status != "ok":
                 self.ctx.metrics.outcome(status)
