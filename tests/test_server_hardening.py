@@ -139,7 +139,7 @@ EDGES = [
     ("top_k_2_62_off", {"top_k": 2 ** 62, "temperature": 1.0}, None),
     ("top_k_2_63", {"top_k": 2 ** 63, "temperature": 1.0}, "top_k"),
     ("temperature_1e_46_greedy", {"temperature": 1e-46}, None),
-    ("top_p_0", {"top_p": 0, "temperature": 1.0}, "top_p"),
+    ("top_p_0_keeps_the_top_token", {"top_p": 0, "temperature": 1.0}, None),   # PaddleX sends it
     ("top_k_minus_2", {"top_k": -2, "temperature": 1.0}, "top_k"),
 ]
 
