@@ -134,9 +134,11 @@ def looks_like_image(data: bytes) -> bool:
 
 
 class MediaFetcher:
-    def __init__(self, policy: MediaPolicy, resolver: Resolver | None = None):
+    def __init__(self, policy: MediaPolicy, resolver: Resolver | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.policy = policy
         self.resolver = resolver or system_resolver
+        self._transport = transport          # tests: a recording transport; None: the network
         self._client: httpx.AsyncClient | None = None
 
     async def aclose(self) -> None:
@@ -147,7 +149,7 @@ class MediaFetcher:
         if self._client is None:
             # trust_env=False: no proxy variables; redirects are followed here, one checked hop at a time
             self._client = httpx.AsyncClient(timeout=self.policy.fetch_timeout, follow_redirects=False,
-                                             trust_env=False)
+                                             trust_env=False, transport=self._transport)
         return self._client
 
     async def fetch(self, url: str, label: str) -> bytes | str:
@@ -205,9 +207,10 @@ class MediaFetcher:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         return scheme, host, port, target
 
-    async def _checked_address(self, host: str, port: int) -> IPAddress:
-        """The address to connect to: every address the host resolves to must pass the policy
-        (one refused address refuses the host, so a name cannot mix an inside address in)."""
+    async def _checked_addresses(self, host: str, port: int) -> list[IPAddress]:
+        """The addresses to connect to, in order: every address the host resolves to must pass
+        the policy (one refused address refuses the host, so a name cannot mix an inside
+        address in)."""
         literal = parse_ip_literal(host)
         if literal is not None:
             addrs = [literal]
@@ -223,20 +226,16 @@ class MediaFetcher:
             if why is not None:
                 raise FetchRefused(f"{host!r} resolves to {a}, a {why} (refused; --allow-private-media-fetch "
                                    f"allows loopback, private and link-local addresses)")
-        return addrs[0]
+        return addrs
 
     async def _follow(self, url: str) -> bytes:
-        for _ in range(self.policy.max_redirects + 1):
-            scheme, host, port, target = self._check_host(url)
-            ip = await self._checked_address(host, port)
-            ip_host = f"[{ip}]" if ip.version == 6 else str(ip)
-            default_port = port == (443 if scheme == "https" else 80)
-            headers = {"Host": host if default_port else f"{host}:{port}", "Accept": "image/*"}
-            extensions = {"sni_hostname": host} if scheme == "https" and parse_ip_literal(host) is None else {}
-            client = self._http()
-            request = client.build_request("GET", f"{scheme}://{ip_host}:{port}{target}", headers=headers,
-                                           extensions=extensions)
-            r = await client.send(request, stream=True)
+        for hop in range(self.policy.max_redirects + 1):
+            try:
+                scheme, host, port, target = self._check_host(url)
+                addrs = await self._checked_addresses(host, port)
+            except FetchRefused as e:
+                raise FetchRefused(f"{e} (redirect {hop} to {url[:200]})" if hop else str(e)) from None
+            r = await self._connect(scheme, host, port, target, addrs)
             try:
                 if r.status_code in REDIRECT_STATUSES and r.headers.get("location"):
                     url = urljoin(url, r.headers["location"])
@@ -248,13 +247,32 @@ class MediaFetcher:
                 await r.aclose()
         raise FetchRefused(f"more than {self.policy.max_redirects} redirects")
 
+    async def _connect(self, scheme: str, host: str, port: int, target: str,
+                       addrs: list[IPAddress]) -> httpx.Response:
+        """GET target from the first of the checked addresses that accepts a connection; the
+        URL names the address itself, the Host header (and TLS SNI) the host."""
+        default_port = port == (443 if scheme == "https" else 80)
+        headers = {"Host": host if default_port else f"{host}:{port}", "Accept": "image/*"}
+        extensions = {"sni_hostname": host} if scheme == "https" and parse_ip_literal(host) is None else {}
+        client = self._http()
+        err: Exception | None = None
+        for ip in addrs:
+            ip_host = f"[{ip}]" if ip.version == 6 else str(ip)
+            request = client.build_request("GET", f"{scheme}://{ip_host}:{port}{target}", headers=headers,
+                                           extensions=extensions)
+            try:
+                return await client.send(request, stream=True)
+            except httpx.ConnectError as e:
+                err = e
+        raise err
+
     async def _read_body(self, r: httpx.Response) -> bytes:
         cap = self.policy.max_bytes
         declared = r.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > cap:
             raise FetchRefused(f"Content-Length {declared} is above the {cap} byte limit")
         buf = bytearray()
-        async for chunk in r.aiter_raw():
+        async for chunk in r.aiter_bytes():
             if len(buf) + len(chunk) > cap:
                 raise FetchRefused(f"body is larger than the {cap} byte limit")
             inflight.charge(len(chunk))     # the 429 (APIError) passes through: the server is full
