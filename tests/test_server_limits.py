@@ -315,3 +315,10 @@ def test_help_states_the_default_host_and_the_new_flags():
     for flag in ("--max-inflight-body-bytes", "--header-timeout", "--body-timeout", "--media-fetch {on,off}",
                  "--allowed-media-domains", "--allow-private-media-fetch"):
         assert flag in flat, flag
+
+
+def test_lone_surrogate_is_refused_before_the_tokenizer():
+    p = processor()
+    with pytest.raises(InvalidRequest, match=r"lone surrogate '\\ud800' at character 4"):
+        p.process(text_prompt("abc \ud800"))
+    assert p.builder.tokenizer.seen == []

@@ -112,7 +112,16 @@ MAX_TEXT_BYTES_PER_TOKEN = 32
 
 
 def text_bytes(texts: list[str]) -> int:
-    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    """UTF-8 length of the texts; InvalidRequest for text that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escapes can carry, has no UTF-8 form and no tokenizer takes it)."""
+    n = 0
+    for t in texts:
+        try:
+            n += len(t.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the prompt's text has a lone surrogate {t[e.start]!r} at character {e.start}: "
+                                 f"not valid Unicode") from None
+    return n
 
 
 def bounded_token_count(encode, text: str, limit: int) -> int:
