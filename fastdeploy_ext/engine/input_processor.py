@@ -201,26 +201,31 @@ class InputProcessor:
         self.limits = limits
         self._overridden: dict[tuple, Any] = {}   # (min_pixels, max_pixels) -> processor, a few at most
 
-    def processor_for(self, kwargs: Any):
-        """The image processor for a request's ``mm_processor_kwargs`` (min/max_pixels bound the
-        resize, as in vLLM; checked against the server's limits before any image is touched);
-        the default one when there are none."""
-        if not kwargs:
-            return self.image_processor
+    def request_preprocessor_config(self, kwargs: Any):
+        """The preprocessor config for a request's ``mm_processor_kwargs`` (min/max_pixels bound
+        the resize, as in vLLM), checked against the server's limits: no image is touched and
+        nothing is built (the server calls it before fetching the request's images)."""
         if not isinstance(kwargs, dict):
             raise InvalidRequest(f"mm_processor_kwargs must be an object, got {kwargs!r}")
         from ..models.paddleocr_vl.processor import request_config
         cfg = self.image_processor.cfg
         try:
-            cfg = request_config(cfg, kwargs, self.limits.max_request_pixels(cfg.patch_size, cfg.merge_size))
+            return request_config(cfg, kwargs, self.limits.max_request_pixels(cfg.patch_size, cfg.merge_size))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+
+    def processor_for(self, kwargs: Any):
+        """The image processor for a request's ``mm_processor_kwargs``; the default one when
+        there are none."""
+        if not kwargs:
+            return self.image_processor
+        cfg = self.request_preprocessor_config(kwargs)
         key = (cfg.min_pixels, cfg.max_pixels)
         proc = self._overridden.get(key)
         if proc is None:
             proc = type(self.image_processor)(cfg)
             if len(self._overridden) >= 16:          # bounded: clients choose these values
-                self._overridden.pop(next(iter(self._overridden)))
+                self._overridden.pop(next(iter(self._overridden)), None)
             self._overridden[key] = proc
         return proc
 

@@ -267,7 +267,7 @@ async def _start_engine(state: ServerState) -> None:
     processor = getattr(getattr(state.engine, "engine", None), "input_processor", None)
     if processor is not None:
         state.chat.ctx.limits = processor.limits
-        state.chat.ctx.mm_kwargs_check = processor.processor_for
+        state.chat.ctx.mm_kwargs_check = processor.request_preprocessor_config
     log.info("engine ready: serving %s on http://%s:%d", ", ".join(state.config.served_model_names),
              state.config.host, state.config.port)
     await _watchdog(state)
