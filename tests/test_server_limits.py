@@ -99,7 +99,10 @@ def test_text_under_the_limit_is_built_as_before():
     p = processor(max_model_len=1000)
     out = p.process(text_prompt("hello world"))
     assert out.prompt_token_ids[1:12] == FakeTokenizer().encode("user: hello")
-    assert p.builder.tokenizer.seen == [len("hello world")]
+    assert p.builder.tokenizer.seen == []        # 11 bytes cannot be more than 1000 tokens: no extra pass
+    with pytest.raises(InvalidRequest, match="more than 1000 tokens"):
+        p.process(text_prompt("word " * 250))    # 1250 bytes could be: counted first (1250 tokens here)
+    assert p.builder.tokenizer.seen == [1250]
 
 
 # --------------------------------------------------------------------------- pixels

@@ -163,11 +163,11 @@ class InputLimits:
     def max_text_bytes(self) -> int:
         return self.max_model_len * MAX_TEXT_BYTES_PER_TOKEN
 
-    def check_counts(self, n_images: int, texts: list[str]) -> None:
+    def check_counts(self, n_images: int, texts: list[str]) -> int:
         """The checks that need no tokenizer and no image: the number of images
         (--limit-mm-per-prompt) and the text's byte length. Run before any image is fetched,
         decoded or resized and before any text is tokenized (the server runs them too, before
-        its fetches)."""
+        its fetches). Returns the text's UTF-8 length."""
         if n_images > self.max_images:
             raise InvalidRequest(f"{n_images} images in one prompt; --limit-mm-per-prompt allows {self.max_images}")
         n = text_bytes(texts)
@@ -175,6 +175,7 @@ class InputLimits:
             raise InvalidRequest(f"the prompt's text is {n} bytes, more than --max-model-len {self.max_model_len} "
                                  f"tokens can hold (at most {MAX_TEXT_BYTES_PER_TOKEN} bytes a token: "
                                  f"{self.max_text_bytes} bytes)")
+        return n
 
     def max_request_pixels(self, patch_size: int, merge_size: int) -> int:
         """The largest resized image a request may ask for with mm_processor_kwargs: one whose
@@ -267,9 +268,10 @@ class InputProcessor:
             raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
         lim = self.limits
         texts = message_texts(messages)
-        lim.check_counts(len(images), texts)
+        n_bytes = lim.check_counts(len(images), texts)
         image_processor = self.processor_for(prompt.get("mm_processor_kwargs"))
-        self._check_text_tokens(texts)
+        if n_bytes > lim.max_model_len:     # every token covers >= 1 byte: fewer bytes cannot overflow
+            self._check_text_tokens(texts)
         processed = []
         for k, src in enumerate(images):
             try:

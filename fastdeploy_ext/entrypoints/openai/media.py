@@ -41,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlparse, urlsplit
 
 import httpx
 
@@ -156,13 +156,13 @@ class MediaFetcher:
         if not isinstance(url, str) or not url.strip():
             raise bad_request(f"{label}: the image URL is empty", param="messages")
         url = url.strip()
-        scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+        scheme = urlparse(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
         if scheme == "data":
             return url
         if scheme in ("http", "https"):
             return await self._fetch_http(url, label)
         if scheme == "file":
-            return await self._local(unquote(urlsplit(url).path), label)
+            return await self._local(unquote(urlparse(url).path), label)
         if scheme == "":
             return await self._local(url, label)
         raise bad_request(f"{label}: unsupported URL scheme {scheme!r} (use data:, http(s):// or a local path)",
