@@ -28,11 +28,9 @@ import os
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,7 +317,7 @@ class Server:
         self.cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.openai.api_server", *model, *device,
                     *model_args, "--host", "127.0.0.1", "--port", str(self.port), "--api-key", API_KEY,
                     "--max-model-len", "2048", "--allowed-local-media-path", str(media_dir),
-                    "--header-timeout", "2", "--body-timeout", "2", "--media-fetch-timeout", "5",
+                    "--header-timeout", "3", "--body-timeout", "3", "--media-fetch-timeout", "5",
                     "--max-concurrency", "64", "--max-request-body-bytes", str(20 << 20)]
         self.log = tempfile.NamedTemporaryFile(prefix="fuzz_server_", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,

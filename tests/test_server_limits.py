@@ -24,7 +24,7 @@ from fastdeploy_ext.inputs.images import ImageInputError
 from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
 
 from .engine_fakes import FakePromptBuilder, FakeTokenizer
-from .server_harness import ImageHost, ServerProc, chat, data_url, png_bytes, ref_images
+from .server_harness import ImageHost, ServerProc, chat, png_bytes, ref_images
 
 PP = PreprocessorConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
 
