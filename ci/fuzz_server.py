@@ -159,6 +159,11 @@ class Requests:
         v = lambda **kw: self.valid(stream=False) | kw       # noqa: E731
         host_port = self.image_host.rsplit(":", 1)[1]
         nested = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+        def non_finite(literal: str) -> bytes:          # JSON has no NaN; Python's parser reads it
+            body = v()
+            body.pop("temperature", None)
+            return json.dumps(body).replace('"max_tokens"', f'"temperature": {literal}, "max_tokens"').encode()
         many = v()
         many["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": f"{self.image_host}/img.png?{i}"}}
                                           for i in range(40)] + [{"type": "text", "text": "OCR:"}]
@@ -182,11 +187,9 @@ class Requests:
             Case("top_k_float", v(top_k=1.5), expect=(400,)),
             Case("top_k_negative", v(top_k=-7), expect=(400,)),
             Case("temperature_negative", v(temperature=-1), expect=(400,)),
-            Case("temperature_nan", json.dumps(v()).replace('"max_tokens"', '"temperature": NaN, "max_tokens"').encode(),
-                 expect=(400,)),
-            Case("temperature_inf", json.dumps(v()).replace('"max_tokens"', '"temperature": Infinity, "max_tokens"')
-                 .encode(), expect=(200, 400)),
-            Case("top_p_zero", v(top_p=0), expect=(400,)),
+            Case("temperature_nan", non_finite("NaN"), expect=(400,)),
+            Case("temperature_inf", non_finite("Infinity"), expect=(200, 400)),
+            Case("top_p_zero", v(top_p=0), expect=(200, 400)),          # vLLM: 400; ours: 0 = argmax
             Case("max_tokens_negative", v(max_tokens=-1), expect=(400,)),
             Case("max_tokens_2^70", v(max_tokens=2 ** 70), expect=(400,)),
             Case("n_2", v(n=2), expect=(400,)),
