@@ -329,3 +329,26 @@ def test_lone_surrogate_is_refused_before_the_tokenizer():
     with pytest.raises(InvalidRequest, match=r"lone surrogate '\\ud800' at character 4"):
         p.process(text_prompt("abc \ud800"))
     assert p.builder.tokenizer.seen == []
+
+
+def test_inflight_ledger_counts_across_requests_and_gives_back():
+    from fastdeploy_ext.entrypoints.openai import inflight
+    from fastdeploy_ext.entrypoints.openai.errors import APIError
+    budget = inflight.ByteBudget(100)
+    a, b = inflight.Ledger(budget), inflight.Ledger(budget)
+    a.take(60)
+    b.take(40)
+    with pytest.raises(APIError) as e:
+        b.take(1)                                           # 101 > 100 across the two requests
+    assert e.value.status == 429 and "--max-inflight-body-bytes 100" in e.value.message
+    assert (budget.used, a.held, b.held) == (100, 60, 40)
+    a.release()
+    b.take(60)                                              # a's bytes came back
+    assert budget.used == 100
+    inflight.charge(10 ** 9)                                # outside a request: nothing to count
+    token = inflight.current_ledger.set(b)
+    try:
+        with pytest.raises(APIError):
+            inflight.charge(1)
+    finally:
+        inflight.current_ledger.reset(token)
