@@ -16,6 +16,9 @@ PLACEHOLDER = "<|IMAGE_PLACEHOLDER|>"
 
 
 class FakeTokenizer:
+    def encode(self, text):                 # the ids FakePromptBuilder.build gives text
+        return [3 + b % 50 for b in text.encode("utf-8", "surrogatepass")]
+
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + (i % 26)) for i in ids if not (skip_special_tokens and i in (BOS, EOS, IMAGE_ID)))
 

@@ -120,12 +120,14 @@ def chat(image_url: str | None, text: str = "OCR:", **kw) -> dict:
 
 class ImageHost:
     """A loopback HTTP server: /img.png serves `png`; /hold.png waits until `release` is set;
-    /huge.png claims more bytes than the cap; anything else is 404."""
+    /huge.png claims more bytes than the cap; /redirect?to=URL answers 302 to URL; anything else
+    is 404. `hits` lists the paths requested."""
 
     def __init__(self, png: bytes):
         self.png = png
         self.release = threading.Event()
         self.held = threading.Semaphore(0)      # released once per request that reached /hold.png
+        self.hits: list[str] = []               # every path requested, in order
         host = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -133,9 +135,16 @@ class ImageHost:
                 pass
 
             def do_GET(self):
+                host.hits.append(self.path)
                 if self.path == "/hold.png":
                     host.held.release()
                     host.release.wait(120)
+                if self.path.startswith("/redirect?to="):
+                    self.send_response(302)
+                    self.send_header("Location", self.path[len("/redirect?to="):])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path in ("/img.png", "/hold.png"):
                     body = host.png
                 elif self.path == "/huge.png":

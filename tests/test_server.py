@@ -44,6 +44,7 @@ def srv(media_dir):
     """The main server: generous limits, local media allowed under media_dir, a small pixel cap."""
     s = ServerProc("--max-model-len", "4096", "--allowed-local-media-path", str(media_dir),
                    "--media-fetch-timeout", "1", "--repetition-guard", GUARD,
+                   "--allow-private-media-fetch",                                 # the image host is loopback
                    "--engine-worker-queue-port", "8187", "--enable-mm",       # FastDeploy flags: ignored
                    env={"FD_MAX_IMAGE_PIXELS": "1000000"}, metrics_port=True)
     try:
@@ -188,13 +189,16 @@ def test_image_urls_http_and_local(srv, host, images, media_dir):
 @pytest.mark.parametrize("case", ["404", "timeout", "outside", "dotdot", "scheme"])
 def test_image_url_refusals(srv, host, media_dir, case):
     url, needle = {
-        "404": (host.url + "/missing.png", "HTTP 404"),
-        "timeout": (host.url + "/hold.png", "timed out after 1 s"),
+        "404": (host.url + "/missing.png", "the image URL could not be fetched"),      # the same for
+        "timeout": (host.url + "/hold.png", "the image URL could not be fetched"),     # every fetch failure
         "outside": ("/etc/hostname", "outside --allowed-local-media-path"),
         "dotdot": (str(media_dir / ".." / "x.png"), "outside --allowed-local-media-path"),
         "scheme": ("ftp://example.com/a.png", "unsupported URL scheme"),
     }[case]
     assert needle in error_of(post(srv, chat(url, max_tokens=2)), 400)
+    detail = {"404": "HTTP 404", "timeout": "timed out after 1 s"}.get(case)
+    if detail:                                           # the reason is in the server's log only
+        assert f"fetching {url} failed: {detail}" in srv.output
     if case == "timeout":
         assert host.held.acquire(timeout=10)           # consume this request's mark on the host
 
@@ -323,7 +327,7 @@ def strict(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("cfg") / "serve.yaml"
     cfg.write_text("api_key: sk-test\nmax-concurrency: 5\nrequest_timeout: 2\nmax_request_body_bytes: 100000\n"
                    "max_model_len: 4608\n")
-    s = ServerProc("--config", str(cfg), "--max-concurrency", "2")
+    s = ServerProc("--config", str(cfg), "--max-concurrency", "2", "--allow-private-media-fetch")
     try:
         yield s.wait_healthy()
     finally:
@@ -357,7 +361,9 @@ def test_body_limit_413(strict, images):
 
 
 def test_fetched_image_over_cap_is_400(strict, host):
-    assert "byte limit" in error_of(post(strict, chat(host.url + "/huge.png", max_tokens=2), headers=KEY), 400)
+    assert "could not be fetched" in error_of(post(strict, chat(host.url + "/huge.png", max_tokens=2),
+                                                   headers=KEY), 400)
+    assert "body is larger than the 100000 byte limit" in strict.output
 
 
 def test_queue_full_429_and_timeout_504(strict, host, images):
@@ -387,7 +393,8 @@ def test_queue_full_429_and_timeout_504(strict, host, images):
 
 # --------------------------------------------------------------------------- drain
 def test_sigterm_drains_then_exits_zero(host, images):
-    s = ServerProc("--max-model-len", "1024", "--media-fetch-timeout", "60").wait_healthy()
+    s = ServerProc("--max-model-len", "1024", "--media-fetch-timeout", "60",
+                   "--allow-private-media-fetch").wait_healthy()
     try:
         held: list = []
         t_held = threading.Thread(target=lambda: held.append(post(s, chat(host.url + "/hold.png", max_tokens=3,

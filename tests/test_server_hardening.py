@@ -206,7 +206,7 @@ def test_second_sigterm_aborts_in_flight_with_503_and_exits_143():
     event, then [DONE]), frees the engine and exits 143 instead of hanging or dying by signal.
     (The key of this server comes from VLLM_API_KEY alone: the last source, never logged.)"""
     host = ImageHost(png_bytes(64, 48))
-    s = ServerProc("--max-model-len", "8192", "--media-fetch-timeout", "120", env={"VLLM_API_KEY": VLLM_ENV_KEY})
+    s = ServerProc("--max-model-len", "8192", "--media-fetch-timeout", "120", "--allow-private-media-fetch", env={"VLLM_API_KEY": VLLM_ENV_KEY})
     auth = {"Authorization": f"Bearer {VLLM_ENV_KEY}"}
     try:
         s.wait_healthy()

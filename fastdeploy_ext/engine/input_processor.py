@@ -8,7 +8,6 @@ the request is queued.
 from __future__ import annotations
 
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,17 +95,97 @@ def split_messages(messages: Any) -> tuple[list[dict], list[Any]]:
     return out, images
 
 
+# transformers' processor upscales a 1-pixel-wide image to min_pixels of pure interpolation; no
+# text fits in it, so a request carrying one is refused as bad input (the issue's "1x1" case)
+MIN_IMAGE_SIDE = 2
+# A cheap bound on a prompt's text before any tokenizing: no tokenizer averages more than ~8 UTF-8
+# bytes a token on real text of any script (the byte-level dummy one: 1), so text of more than
+# max_model_len * 32 bytes cannot fit in the context whatever it says; refused on its length alone.
+MAX_TEXT_BYTES_PER_TOKEN = 32
+
+
+def text_bytes(texts: list[str]) -> int:
+    """UTF-8 length of the texts; InvalidRequest for text that is not valid Unicode (a lone
+    surrogate, which JSON's \\ud800 escapes can carry, has no UTF-8 form and no tokenizer takes it)."""
+    n = 0
+    for t in texts:
+        try:
+            n += len(t.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the prompt's text has a lone surrogate {t[e.start]!r} at character {e.start}: "
+                                 f"not valid Unicode") from None
+    return n
+
+
+def bounded_token_count(encode, text: str, limit: int) -> int:
+    """len(encode(text)) when it is at most ``limit``; otherwise some count above ``limit``,
+    found without tokenizing more than about twice the text that ``limit`` tokens cover: growing
+    prefixes (doubling from 4 * (limit + 1) characters) cut before a whitespace character, where
+    BPE pre-tokenizers (byte-level, metaspace: every tokenizer the engine loads) split anyway,
+    so a prefix's tokens are the first tokens of the whole text. A huge text over the context
+    costs a bounded tokenizer call, not one over all of it."""
+    n = 4 * (limit + 1)
+    while n < len(text):
+        cut = _whitespace_before(text, n)
+        count = len(encode(text[:cut]))
+        if count > limit:
+            return count
+        n *= 2
+    return len(encode(text))
+
+
+def _whitespace_before(text: str, n: int) -> int:
+    """The last cut <= n where text[cut] is whitespace and text[cut - 1] is not (n if none)."""
+    i = n
+    while i > 0 and not text[i].isspace():
+        i -= 1
+        if n - i > 4096:            # one enormous word: cut inside it
+            return n
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    return i if i > 0 else n
+
+
 @dataclass
 class InputLimits:
     max_images: int
     max_encoder_patches: int
     max_model_len: int
 
+    @property
+    def max_text_bytes(self) -> int:
+        return self.max_model_len * MAX_TEXT_BYTES_PER_TOKEN
 
-# transformers' processor upscales a 1-pixel-wide image to min_pixels of pure interpolation; no
-# text fits in it, so a request carrying one is refused as bad input (the issue's "1x1" case)
-MIN_IMAGE_SIDE = 2
-MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")   # vLLM's per-request processor overrides we honour
+    def check_counts(self, n_images: int, texts: list[str]) -> int:
+        """The checks that need no tokenizer and no image: the number of images
+        (--limit-mm-per-prompt) and the text's byte length. Run before any image is fetched,
+        decoded or resized and before any text is tokenized (the server runs them too, before
+        its fetches). Returns the text's UTF-8 length."""
+        if n_images > self.max_images:
+            raise InvalidRequest(f"{n_images} images in one prompt; --limit-mm-per-prompt allows {self.max_images}")
+        n = text_bytes(texts)
+        if n > self.max_text_bytes:
+            raise InvalidRequest(f"the prompt's text is {n} bytes, more than --max-model-len {self.max_model_len} "
+                                 f"tokens can hold (at most {MAX_TEXT_BYTES_PER_TOKEN} bytes a token: "
+                                 f"{self.max_text_bytes} bytes)")
+        return n
+
+    def max_request_pixels(self, patch_size: int, merge_size: int) -> int:
+        """The largest resized image a request may ask for with mm_processor_kwargs: one whose
+        patches fit --max-encoder-patches and whose tokens fit --max-model-len."""
+        return min(self.max_encoder_patches * patch_size ** 2, self.max_model_len * (patch_size * merge_size) ** 2)
+
+
+def message_texts(messages: list[dict]) -> list[str]:
+    """The text parts of split_messages' output."""
+    out = []
+    for m in messages:
+        c = m["content"]
+        if isinstance(c, str):
+            out.append(c)
+        else:
+            out.extend(p["text"] for p in c if p.get("type") == "text")
+    return out
 
 
 class InputProcessor:
@@ -116,29 +195,44 @@ class InputProcessor:
         self.limits = limits
         self._overridden: dict[tuple, Any] = {}   # (min_pixels, max_pixels) -> processor, a few at most
 
-    def _processor_for(self, kwargs: Any):
-        """The image processor for a request's ``mm_processor_kwargs`` (min/max_pixels bound the
-        resize, as in vLLM); the default one when there are none."""
+    def request_preprocessor_config(self, kwargs: Any):
+        """The preprocessor config for a request's ``mm_processor_kwargs`` (min/max_pixels bound
+        the resize, as in vLLM), checked against the server's limits: no image is touched and
+        nothing is built (the server calls it before fetching the request's images)."""
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(f"mm_processor_kwargs must be an object, got {kwargs!r}")
+        from ..models.paddleocr_vl.processor import request_config
+        cfg = self.image_processor.cfg
+        try:
+            return request_config(cfg, kwargs, self.limits.max_request_pixels(cfg.patch_size, cfg.merge_size))
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def processor_for(self, kwargs: Any):
+        """The image processor for a request's ``mm_processor_kwargs``; the default one when
+        there are none."""
         if not kwargs:
             return self.image_processor
-        if not isinstance(kwargs, dict) or set(kwargs) - set(MM_PROCESSOR_KWARGS):
-            bad = sorted(set(kwargs) - set(MM_PROCESSOR_KWARGS)) if isinstance(kwargs, dict) else kwargs
-            raise InvalidRequest(f"mm_processor_kwargs: unsupported {bad!r} (supported: {', '.join(MM_PROCESSOR_KWARGS)})")
-        for k, v in kwargs.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidRequest(f"mm_processor_kwargs.{k} must be a positive integer, got {v!r}")
-        cfg = self.image_processor.cfg
-        key = (kwargs.get("min_pixels", cfg.min_pixels), kwargs.get("max_pixels", cfg.max_pixels))
+        cfg = self.request_preprocessor_config(kwargs)
+        key = (cfg.min_pixels, cfg.max_pixels)
         proc = self._overridden.get(key)
         if proc is None:
-            try:
-                proc = type(self.image_processor)(dataclasses.replace(cfg, min_pixels=key[0], max_pixels=key[1]))
-            except ValueError as e:       # e.g. min_pixels > max_pixels
-                raise InvalidRequest(f"mm_processor_kwargs: {e}") from None
+            proc = type(self.image_processor)(cfg)
             if len(self._overridden) >= 16:          # bounded: clients choose these values
-                self._overridden.pop(next(iter(self._overridden)))
+                self._overridden.pop(next(iter(self._overridden)), None)
             self._overridden[key] = proc
         return proc
+
+    def _check_text_tokens(self, texts: list[str]) -> None:
+        """More text tokens than --max-model-len allows: refused after tokenizing a bounded
+        prefix of the text, before the full prompt is built."""
+        limit, total = self.limits.max_model_len, 0
+        encode = self.builder.tokenizer.encode
+        for t in texts:
+            total += bounded_token_count(encode, t, limit - total)
+            if total > limit:
+                raise InvalidRequest(f"the prompt's text has more than {limit} tokens; --max-model-len "
+                                     f"{limit} leaves no room for output")
 
     def process(self, prompt: dict) -> ProcessedPrompt:
         """prompt: {"messages": [...]} or {"prompt": str, "images" | "multi_modal_data": ...}."""
@@ -165,14 +259,16 @@ class InputProcessor:
                          + [{"type": "text", "text": prompt_text}]}]
         else:
             raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
-        image_processor = self._processor_for(prompt.get("mm_processor_kwargs"))
         lim = self.limits
-        if len(images) > lim.max_images:
-            raise InvalidRequest(f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {lim.max_images}")
+        texts = message_texts(messages)
+        n_bytes = lim.check_counts(len(images), texts)
+        image_processor = self.processor_for(prompt.get("mm_processor_kwargs"))
+        if n_bytes > lim.max_model_len:     # every token covers >= 1 byte: fewer bytes cannot overflow
+            self._check_text_tokens(texts)
         processed = []
         for k, src in enumerate(images):
             try:
-                processed.append(image_processor.preprocess(src))
+                processed.append(image_processor.preprocess(src, max_patches=lim.max_encoder_patches))
             except ValueError as e:       # ImageInputError names the source and the problem
                 raise InvalidRequest(f"image {k}: {e}") from None
         for k, im in enumerate(processed):

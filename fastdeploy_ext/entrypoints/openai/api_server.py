@@ -33,7 +33,9 @@ from ...engine.errors import EngineDead, RequestFailed
 from .. import args as shared_args
 from ..args import CliError
 from . import cli_args, protocol
+from . import inflight
 from .errors import APIError
+from .http_timeouts import timed_h11_protocol
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
 from .serving_chat import ChatContext, ChatHandler, LogprobFormatter, _Disconnected, unless_stopped
@@ -60,6 +62,7 @@ class ServerState:
     exit_code: int = 0
     server: uvicorn.Server | None = None
     tasks: list = field(default_factory=list)
+    inflight_bytes: inflight.ByteBudget = field(default_factory=lambda: inflight.ByteBudget(1 << 62))
 
     def stats(self):
         return self.engine.stats() if self.engine_started else None
@@ -74,7 +77,10 @@ class ServerState:
 class Gate:
     """Before any /v1 route runs: 503 while draining, 401 without the API key, 413 for a body
     over the limit (Content-Length first; otherwise counted while reading, the body is then
-    replayed to the app). Pure ASGI so an oversized body is never buffered past the limit."""
+    replayed to the app), 429 when the body's bytes would take the bytes held for all requests
+    past --max-inflight-body-bytes. Pure ASGI so an oversized body is never buffered past the
+    limit. The request's bytes (its body, and the images fetched for it, through
+    `inflight.current_ledger`) stay counted until its answer is complete."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -100,25 +106,38 @@ class Gate:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, too_large)
-        body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            if len(body) > limit:
-                return await self._refuse(scope, receive, send, too_large)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
+        ledger = inflight.Ledger(st.inflight_bytes)
+        ledger_token = inflight.current_ledger.set(ledger)
+        try:
+            try:
+                if declared is not None and declared.isdigit():
+                    ledger.take(int(declared))   # reserved up front: refused before a byte is read
+                body = bytearray()
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    body += msg.get("body", b"")
+                    if len(body) > limit:
+                        return await self._refuse(scope, receive, send, too_large)
+                    if len(body) > ledger.held:
+                        ledger.take(len(body) - ledger.held)
+                    if not msg.get("more_body", False):
+                        break
+            except APIError as e:                # the byte budget is spent: 429
+                return await self._refuse(scope, receive, send, e)
+            replayed = False
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-        return await self.app(scope, replay, send)
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return await receive()
+            return await self.app(scope, replay, send)
+        finally:
+            inflight.current_ledger.reset(ledger_token)
+            ledger.release()
 
     async def _refuse(self, scope, receive, send, err: APIError):
         self.state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
@@ -269,6 +288,10 @@ async def _start_engine(state: ServerState) -> None:
         return
     state.engine_started = True
     state.chat.ctx.logprob_formatter = LogprobFormatter(getattr(state.engine, "tokenizer", None))
+    processor = getattr(getattr(state.engine, "engine", None), "input_processor", None)
+    if processor is not None:
+        state.chat.ctx.limits = processor.limits
+        state.chat.ctx.mm_kwargs_check = processor.request_preprocessor_config
     log.info("engine ready: serving %s on http://%s:%d", ", ".join(state.config.served_model_names),
              state.config.host, state.config.port)
     await _watchdog(state)
@@ -384,30 +407,45 @@ def build_state(ns: argparse.Namespace) -> ServerState:
              "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
              else "per-request image encoding, chunked prefill")
     log.info("server: host=%s port=%d metrics_port=%s served_model_names=%s api_key=%s request_timeout=%gs "
-             "max_concurrency=%d max_request_body_bytes=%d allowed_local_media_path=%s",
+             "max_concurrency=%d max_request_body_bytes=%d max_inflight_body_bytes=%d header_timeout=%gs "
+             "body_timeout=%gs allowed_local_media_path=%s",
              config.host, config.port, config.metrics_port, list(config.served_model_names),
              "set" if config.api_key else "off", config.request_timeout, config.max_concurrency,
-             config.max_body_bytes, config.allowed_local_media_path)
+             config.max_body_bytes, config.max_inflight_body_bytes, config.header_timeout, config.body_timeout,
+             config.allowed_local_media_path)
+    if config.host in ("0.0.0.0", "::"):
+        log.info("listening on every interface (--host %s): reachable from the network%s", config.host,
+                 "" if config.api_key else "; no --api-key set")
+    log.info("image URLs: %s", "not fetched (--media-fetch off)" if not config.media_fetch else
+             "fetched from %s; %s" % (
+                 "any host" if config.allowed_media_domains is None else ", ".join(config.allowed_media_domains),
+                 "loopback/private/link-local addresses allowed (--allow-private-media-fetch)"
+                 if config.allow_private_media_fetch else "loopback, private, link-local, multicast and reserved "
+                 "addresses refused"))
     from ...engine.async_engine import AsyncLLMEngine
     engine = AsyncLLMEngine(engine_config)
     metrics_holder: list[ServerState] = []
     metrics = ServerMetrics(lambda: metrics_holder[0].stats() if metrics_holder else None,
                             config.served_model_names[0])
     fetcher = MediaFetcher(MediaPolicy(config.max_body_bytes, config.media_fetch_timeout,
-                                       config.allowed_local_media_path))
+                                       config.allowed_local_media_path, fetch_enabled=config.media_fetch,
+                                       allowed_domains=config.allowed_media_domains,
+                                       allow_private=config.allow_private_media_fetch))
     ctx = ChatContext(engine=engine, metrics=metrics, fetcher=fetcher, served_names=config.served_model_names,
                       request_timeout=config.request_timeout, max_concurrency=config.max_concurrency,
                       repetition_guard=config.repetition_guard)
     state = ServerState(config=config, engine=engine, metrics=metrics, chat=ChatHandler(ctx),
                         max_model_len=getattr(engine_config, "max_model_len", None),
-                        model_root=source.model_dir or "dummy")
+                        model_root=source.model_dir or "dummy",
+                        inflight_bytes=inflight.ByteBudget(config.max_inflight_body_bytes))
     metrics_holder.append(state)
     return state
 
 
 async def _serve(state: ServerState) -> int:
     cfg = state.config
-    uv = dict(log_level=cfg.log_level, timeout_graceful_shutdown=5, access_log=False)
+    uv = dict(log_level=cfg.log_level, timeout_graceful_shutdown=5, access_log=False,
+              http=timed_h11_protocol(cfg.header_timeout, cfg.body_timeout))
     server = _Server(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, lifespan="on", **uv), state)
     state.server = server
     metrics_server = None

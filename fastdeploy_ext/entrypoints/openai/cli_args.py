@@ -19,6 +19,10 @@ from ..args import CliError
 log = logging.getLogger("fastdeploy_ext")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# bodies and fetched images held at once across all requests, by default: four maximal requests
+INFLIGHT_BODIES = 4
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 # Where the API key may come from, first wins: the flag (or its --config key), then these
 # environment variables (vLLM's name last, so one deployment's env works for both servers).
@@ -65,6 +69,12 @@ class ServerConfig:
     media_fetch_timeout: float
     repetition_guard: dict | None      # overrides of the engine's RepetitionGuard defaults
     log_level: str
+    max_inflight_body_bytes: int = INFLIGHT_BODIES * DEFAULT_MAX_BODY_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    media_fetch: bool = True
+    allowed_media_domains: tuple[str, ...] | None = None
+    allow_private_media_fetch: bool = False
 
 
 def _positive(kind):
@@ -109,7 +119,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    g.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on; the default 0.0.0.0 is every interface of the machine (reachable "
+                        "from the network: set --api-key, or --host 127.0.0.1 for this machine only)")
     g.add_argument("--port", type=_port, default=8000, help="port of the OpenAI API (0: any free port)")
     g.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port (it is always on the main port too)")
@@ -126,8 +138,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="chat requests in flight (running + waiting); beyond it new ones get 429")
     g.add_argument("--max-request-body-bytes", type=_positive(int), default=DEFAULT_MAX_BODY_BYTES,
                    help="request bodies and fetched images above this many bytes get 413 / 400")
+    g.add_argument("--max-inflight-body-bytes", type=_positive(int), default=None,
+                   help="bytes of request bodies and fetched images held at once across all requests; a request "
+                        "whose bytes would go past it gets 429 (default: 4 x --max-request-body-bytes)")
+    g.add_argument("--header-timeout", type=_positive(float), default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds for a request's line and headers to arrive; past it: 408 and the connection closes")
+    g.add_argument("--body-timeout", type=_positive(float), default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds for a request's body to arrive after its headers; past it: 408, connection closed")
+    g.add_argument("--media-fetch", choices=("on", "off"), default="on",
+                   help="fetch http(s) image URLs (off: only data: URLs and allowed local files)")
     g.add_argument("--media-fetch-timeout", type=_positive(float), default=10.0,
-                   help="seconds to fetch one http(s) image URL")
+                   help="seconds to fetch one http(s) image URL (all its redirects included)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="fetch image URLs only from these host names (exact match, every redirect too)")
+    g.add_argument("--allow-private-media-fetch", action="store_true",
+                   help="let image URLs reach loopback, private and link-local addresses (refused by default: "
+                        "a URL must not reach inside the server's network); multicast, 0.0.0.0 and reserved "
+                        "addresses stay refused")
     g.add_argument("--repetition-guard", type=_json_object, default=None,
                    help='engine repetition-loop guard settings, JSON, e.g. \'{"enabled": true, "max_period": 64, '
                         '"min_repeats": 8, "min_span": 128}\'')
@@ -196,12 +223,30 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
             RepetitionGuard(**ns.repetition_guard).validate()
         except (TypeError, ValueError) as e:
             raise CliError(f"--repetition-guard: {e}") from None
+    inflight = ns.max_inflight_body_bytes or INFLIGHT_BODIES * ns.max_request_body_bytes
+    if inflight < ns.max_request_body_bytes:
+        raise CliError(f"--max-inflight-body-bytes {inflight} is below --max-request-body-bytes "
+                       f"{ns.max_request_body_bytes}: no request of the maximal size could ever be admitted")
     return ServerConfig(host=ns.host, port=ns.port, metrics_port=ns.metrics_port,
                         served_model_names=tuple(ns.served_model_name or [default_model_name]),
                         api_key=api_key, request_timeout=ns.request_timeout,
                         allowed_local_media_path=media_root, max_concurrency=ns.max_concurrency,
                         max_body_bytes=ns.max_request_body_bytes, media_fetch_timeout=ns.media_fetch_timeout,
-                        repetition_guard=ns.repetition_guard, log_level=ns.uvicorn_log_level)
+                        repetition_guard=ns.repetition_guard, log_level=ns.uvicorn_log_level,
+                        max_inflight_body_bytes=inflight, header_timeout=ns.header_timeout,
+                        body_timeout=ns.body_timeout, media_fetch=ns.media_fetch == "on",
+                        allowed_media_domains=_domains(ns.allowed_media_domains),
+                        allow_private_media_fetch=ns.allow_private_media_fetch)
+
+
+def _domains(names: list[str] | None) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    out = tuple(n.strip().rstrip(".").lower() for n in names)
+    bad = [n for n in out if not n or "/" in n or ":" in n]
+    if bad:
+        raise CliError(f"--allowed-media-domains: expected host names (no scheme, port or path), got {bad}")
+    return out
 
 
 # -------------------------------------------------------------------- --config FILE.yaml

@@ -71,6 +71,8 @@ class ChatContext:
     max_concurrency: int
     repetition_guard: dict | None
     logprob_formatter: LogprobFormatter | None = None
+    limits: Any = None               # engine.input_processor.InputLimits: checked before any fetch
+    mm_kwargs_check: Any = None      # the engine's mm_processor_kwargs check (once it has started)
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)   # set while inflight == 0
     background: set = field(default_factory=set)                  # abort tasks kept alive until done
@@ -95,6 +97,29 @@ def sampling_params(req: protocol.ChatCompletionRequest, guard: dict | None) -> 
     if guard is not None or override:
         kw["repetition_guard"] = RepetitionGuard(**{**(guard or {}), **override})
     return SamplingParams(**kw)
+
+
+def check_before_fetch(req: protocol.ChatCompletionRequest, ctx: ChatContext) -> None:
+    """The engine's cheap input checks, here before any image URL is fetched: the number of
+    images (--limit-mm-per-prompt), the text's byte length (--max-model-len) and
+    mm_processor_kwargs, so that a request refused anyway costs no download."""
+    try:
+        if ctx.limits is not None:
+            n_images, texts = 0, []
+            for m in req.messages:
+                if isinstance(m.content, list):
+                    for p in m.content:
+                        if isinstance(p, protocol.ImagePart):
+                            n_images += 1
+                        else:
+                            texts.append(p.text)
+                elif m.content:
+                    texts.append(m.content)
+            ctx.limits.check_counts(n_images, texts)
+        if ctx.mm_kwargs_check is not None and req.mm_processor_kwargs is not None:
+            ctx.mm_kwargs_check(req.mm_processor_kwargs.model_dump(exclude_none=True))
+    except InvalidRequest as e:
+        raise bad_request(str(e)) from None
 
 
 async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> list[dict]:
@@ -219,6 +244,7 @@ class ChatHandler:
                 params.validate()
             except (InvalidRequest, TypeError) as e:
                 raise bad_request(str(e)) from None
+            check_before_fetch(req, self.ctx)
             messages = await asyncio.wait_for(resolve_messages(req, self.ctx.fetcher),
                                               timeout=max(run.remaining(), 0))
             prompt: dict[str, Any] = {"messages": messages}

@@ -29,6 +29,7 @@ This module does not import transformers (it is only a test-time reference).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -237,21 +238,55 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = DE
 # loading
 # --------------------------------------------------------------------------------------------
 
-def _check_size(label: str, w: int, h: int, cfg: PreprocessorConfig) -> None:
+def _check_size(label: str, w: int, h: int, cfg: PreprocessorConfig, max_patches: int | None = None) -> None:
     """The model's size rules, on the header size before decoding: smart_resize must accept it
-    (aspect ratio at most 200, as transformers)."""
+    (aspect ratio at most 200, as transformers) and, with ``max_patches``, the resized image
+    must not have more patches (so an upscale that would be refused anyway never runs)."""
     try:
-        smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        rh, rw = smart_resize(h, w, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     except ImageInputError as e:
         raise e.with_source(label) from None
+    patches = (rh // cfg.patch_size) * (rw // cfg.patch_size)
+    if max_patches is not None and patches > max_patches:
+        raise ImageInputError(label, f"resized to {rw}x{rh} it has {patches} patches, above --max-encoder-patches "
+                                     f"{max_patches}", "Send a smaller image or lower max_pixels")
 
 
 def load_image(src: ImageSource, cfg: PreprocessorConfig | None = None, name: str | None = None, *,
-               exif_transpose: bool = True) -> Image.Image:
+               exif_transpose: bool = True, max_patches: int | None = None) -> Image.Image:
     """inputs.images.load_image with this config's decode cap and size rules."""
     cfg = cfg or PreprocessorConfig()
     return _load_image(src, name, max_image_pixels=cfg.max_image_pixels, exif_transpose=exif_transpose,
-                       size_check=lambda label, w, h: _check_size(label, w, h, cfg))
+                       size_check=lambda label, w, h: _check_size(label, w, h, cfg, max_patches))
+
+
+#: vLLM's per-request processor overrides (``mm_processor_kwargs``) this processor honours
+REQUEST_PIXEL_KWARGS = ("min_pixels", "max_pixels")
+
+
+def request_config(cfg: PreprocessorConfig, kwargs: Mapping[str, Any], max_pixels_cap: int) -> PreprocessorConfig:
+    """``cfg`` with a request's ``min_pixels`` / ``max_pixels``, checked BEFORE any image is
+    touched: each a positive integer at most ``max_pixels_cap`` (the largest resized image the
+    server can take: its encoder-patch and context limits), min <= max. Without this bound a
+    client's ``min_pixels`` makes every image upscale to that size before any later check (5e7
+    pixels cost a gigabyte, 4e8 a MemoryError). Raises ValueError naming the key."""
+    bad = sorted(set(kwargs) - set(REQUEST_PIXEL_KWARGS))
+    if bad:
+        raise ValueError(f"mm_processor_kwargs: unsupported {bad!r} (supported: {', '.join(REQUEST_PIXEL_KWARGS)})")
+    for k, v in kwargs.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"mm_processor_kwargs.{k} must be a positive integer, got {v!r}")
+        if v > max_pixels_cap:
+            raise ValueError(f"mm_processor_kwargs.{k} = {v} is above this server's limit of {max_pixels_cap} "
+                             f"pixels (the largest image its --max-encoder-patches and --max-model-len can take)")
+    lo, hi = kwargs.get("min_pixels", cfg.min_pixels), kwargs.get("max_pixels", cfg.max_pixels)
+    if "min_pixels" in kwargs and "max_pixels" not in kwargs:
+        hi = max(hi, lo)          # raising only the floor lifts the ceiling with it, as a client means
+    if "max_pixels" in kwargs and "min_pixels" not in kwargs:
+        lo = min(lo, hi)
+    if lo > hi:
+        raise ValueError(f"mm_processor_kwargs: min_pixels ({lo}) must be <= max_pixels ({hi})")
+    return dataclasses.replace(cfg, min_pixels=lo, max_pixels=hi)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,9 +339,12 @@ class ImageProcessor:
     def load(self, src: ImageSource, name: str | None = None) -> Image.Image:
         return load_image(src, self.cfg, name)
 
-    def preprocess(self, src: ImageSource, name: str | None = None) -> ProcessedImage:
+    def preprocess(self, src: ImageSource, name: str | None = None, *,
+                   max_patches: int | None = None) -> ProcessedImage:
+        """``max_patches``: refuse (from the header, before decoding) an image whose resized
+        form would have more patches."""
         label = _source_name(src, name)
-        img = load_image(src, self.cfg, label)
+        img = load_image(src, self.cfg, label, max_patches=max_patches)
         try:
             return self._process_rgb(img, label)
         finally:
