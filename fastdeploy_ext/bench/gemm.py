@@ -71,7 +71,7 @@ def weighted_ceiling(rates: dict[str, float], tokens: int) -> float:
 
 
 def onednn_evidence(tokens: int, dtype: str) -> dict:
-    from ..platforms import parse_onednn_verbose
+    from backends.cpu_amx.probe import parse_onednn_verbose
     env = dict(os.environ, ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
     try:
         r = subprocess.run([sys.executable, "-c", _CHILD, str(tokens), dtype], env=env, capture_output=True,

@@ -103,6 +103,16 @@ def line_pngs(n: int, seed0: int = 10_000) -> list[bytes]:
     return [synthetic_png(seed0 + i, 640 + 16 * (i % 8), 48, 1) for i in range(n)]
 
 
+def _warm_kinds(workloads) -> list[str]:
+    return list(dict.fromkeys("lines256" if wl == "lines256" else "page" for wl in workloads))
+
+
+def warmup_images(workloads) -> list[list[bytes]]:
+    """One warm-up image per image shape among ``workloads``: a text line for lines256, a 1080p
+    page for page1 / pages64."""
+    return [line_pngs(1, 99_999) if k == "lines256" else page_pngs(1, 77_777) for k in _warm_kinds(workloads)]
+
+
 def bench_params(tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                           repetition_guard=RepetitionGuard(enabled=False))
@@ -289,9 +299,12 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
               "kv_blocks": engine.block_manager.num_blocks, "workloads": {},
               "reference_weights": (None if ref is None else "same as ours" if ref.same_weights else
                                     "transformers' own random init (dummy): speed compares, tokens do not")}
-    # warm-up: a line and a page (other pixels than the timed ones) through every path, so no
-    # workload's first request pays Triton compiles or allocator growth; the reference likewise
-    warm = [line_pngs(1, 99_999), page_pngs(1, 77_777)]
+    # warm-up: one image of each shape the requested workloads use (other pixels than the timed
+    # ones), so no workload's first request pays Triton compiles or allocator growth; the
+    # reference likewise. Only those shapes: a 1080p page on the CPU takes minutes.
+    warm = warmup_images(opts.workloads)
+    log.info("bench generate: warm-up with %d image(s) (%s)", len(warm),
+             ", ".join("line" if wl == "lines256" else "page" for wl in _warm_kinds(opts.workloads)))
     for imgs in warm:
         run_ours(engine, imgs, opts.prompt, 4)
     if ref:

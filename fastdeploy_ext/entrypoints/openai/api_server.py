@@ -30,7 +30,7 @@ from ... import envs
 from ...engine.errors import EngineDead
 from .. import args as shared_args
 from ..args import CliError
-from . import cli_args, protocol
+from . import cli_args, protocol, request_log
 from .errors import APIError
 from .media import MediaFetcher, MediaPolicy
 from .metrics import ServerMetrics
@@ -120,6 +120,8 @@ class Gate:
 
     async def _refuse(self, scope, receive, send, err: APIError):
         self.state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        if scope["path"] == "/v1/chat/completions":
+            request_log.log_access(None, err.status, finish=err.code)
         # the body may be unread: close the connection rather than parse its rest as a request
         await err.response(headers={"Connection": "close"})(scope, receive, send)
 
@@ -173,6 +175,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        if request.url.path == "/v1/chat/completions":
+            request_log.log_access(None, err.status, finish=err.code or "error")
         if err.status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
         return err.response()
@@ -221,6 +225,7 @@ def build_app(state: ServerState) -> FastAPI:
             result = await state.chat.create(body, disconnected)
         except _Disconnected:
             state.metrics.outcome("cancelled")
+            request_log.log_access(None, 499, finish="cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
         except EngineDead as e:                  # the watchdog is about to exit the process
             raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from None
@@ -244,6 +249,8 @@ async def _start_engine(state: ServerState) -> None:
         state.request_exit(1)
         return
     state.engine_started = True
+    state.tasks.append(asyncio.create_task(request_log.stats_loop(
+        state.stats, state.config.log_stats_interval, request_log.utilization_reader(state.engine))))
     state.chat.ctx.logprob_formatter = LogprobFormatter(getattr(state.engine, "tokenizer", None))
     log.info("engine ready: serving %s on http://%s:%d", ", ".join(state.config.served_model_names),
              state.config.host, state.config.port)
@@ -322,7 +329,7 @@ def build_state(ns: argparse.Namespace) -> ServerState:
     cli_args.notice_ignored_flags(ns)
     source = shared_args.model_source_from_args(ns)
     engine_config = shared_args.engine_config_from_args(ns, source, shared_args.plan_request_from_args(ns))
-    config = cli_args.server_config_from_args(ns, default_model_name=source.model_dir or "dummy")
+    config = cli_args.server_config_from_args(ns, default_model_names=cli_args.default_served_names(source.model_dir))
     enable_max_prefill = envs.FD_ENABLE_MAX_PREFILL.get()
     log.info("FD_ENABLE_MAX_PREFILL=%d (%s)", int(enable_max_prefill),
              "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
@@ -385,6 +392,7 @@ def serve_from_namespace(ns: argparse.Namespace, prog: str = "fastdeploy-ext ser
             emulation = emulated_backends(envs.FD_EMULATE.get())
         except ValueError as e:
             raise CliError(str(e)) from None
+        shared_args.setup_logging(ns.log_file)
         with emulation:     # FD_EMULATE=metax: the backend's own fakes, as for every other command
             return run_server(ns)
     except CliError as e:

@@ -57,6 +57,7 @@ class ServerConfig:
     media_fetch_timeout: float
     repetition_guard: dict | None      # overrides of the engine's RepetitionGuard defaults
     log_level: str
+    log_stats_interval: float = 10.0   # seconds between stats lines (request_log.py); 0: none
 
 
 def _positive(kind):
@@ -106,7 +107,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port (it is always on the main port too)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send as `model` (default: the --model path, or 'dummy')")
+                   help="model name(s) clients may send as `model`, the first one answered back and listed "
+                        "first (default: the --model path and its directory name, or 'dummy')")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     g.add_argument("--request-timeout", type=_positive(float), default=600.0,
                    help="seconds a chat request may take; past it the request is aborted and answered 504")
@@ -122,6 +124,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='engine repetition-loop guard settings, JSON, e.g. \'{"enabled": true, "max_period": 64, '
                         '"min_repeats": 8, "min_span": 128}\'')
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="must be 1 (one device per server)")
+    g.add_argument("--log-file", default=None, metavar="FILE",
+                   help="also append every log line (start-up, access lines, stats lines) to FILE")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between the stats lines (throughput, running/waiting, KV usage); 0: none")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -141,7 +147,21 @@ def notice_ignored_flags(ns: argparse.Namespace) -> list[str]:
     return lines
 
 
-def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> ServerConfig:
+def default_served_names(model_dir: str | None) -> tuple[str, ...]:
+    """The names a client may send when --served-model-name is not given: the --model path as
+    typed (vLLM's default) and the directory's own name (`/models/PaddleOCR-VL-0.9B` ->
+    `PaddleOCR-VL-0.9B`, what PaddleX's pipeline config sends); `dummy` for random weights."""
+    if not model_dir:
+        return ("dummy",)
+    base = os.path.basename(os.path.normpath(model_dir))
+    return (model_dir,) if base in ("", model_dir) else (model_dir, base)
+
+
+def server_config_from_args(ns: argparse.Namespace, default_model_names: tuple[str, ...]) -> ServerConfig:
+    if isinstance(default_model_names, str):
+        default_model_names = (default_model_names,)
+    if ns.log_stats_interval < 0:
+        raise CliError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got {ns.log_stats_interval:g}")
     if ns.tensor_parallel_size != 1:
         raise CliError(f"--tensor-parallel-size {ns.tensor_parallel_size}: only 1 is supported "
                        f"(one device per server; run one server per device behind a load balancer)")
@@ -157,11 +177,12 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
         except (TypeError, ValueError) as e:
             raise CliError(f"--repetition-guard: {e}") from None
     return ServerConfig(host=ns.host, port=ns.port, metrics_port=ns.metrics_port,
-                        served_model_names=tuple(ns.served_model_name or [default_model_name]),
+                        served_model_names=tuple(dict.fromkeys(ns.served_model_name or default_model_names)),
                         api_key=ns.api_key, request_timeout=ns.request_timeout,
                         allowed_local_media_path=media_root, max_concurrency=ns.max_concurrency,
                         max_body_bytes=ns.max_request_body_bytes, media_fetch_timeout=ns.media_fetch_timeout,
-                        repetition_guard=ns.repetition_guard, log_level=ns.uvicorn_log_level)
+                        repetition_guard=ns.repetition_guard, log_level=ns.uvicorn_log_level,
+                        log_stats_interval=ns.log_stats_interval)
 
 
 # -------------------------------------------------------------------- --config FILE.yaml
