@@ -40,29 +40,40 @@ LOG_FORMAT = "%(asctime)s.%(msecs)03d [fastdeploy_ext] %(levelname)s %(message)s
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (tests swap it)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def setup_logging(log_file: str | None = None) -> None:
     """FD_LOG_LEVEL to stderr, one timestamped format for every command (fastdeploy-ext, the
-    server); ``log_file`` (the server's --log-file) also appends every line to that file.
-    Called again with a file, it adds the file handler (the server parses its flags after the
-    first call)."""
-    level = getattr(logging, str(envs.FD_LOG_LEVEL.get()).upper(), logging.INFO)
+    server), as logging.basicConfig would (nothing is added where the root logger already has
+    handlers, e.g. under pytest). ``log_file`` (the server's --log-file) also appends every line
+    to that file; the server calls this a second time, after parsing its flags, for it."""
     fmt = logging.Formatter(LOG_FORMAT, LOG_DATEFMT)
     root = logging.getLogger()
-    if not any(getattr(h, "_fdx", None) == "stderr" for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
+    if not root.handlers:
+        h = _StderrHandler()
         h.setFormatter(fmt)
-        h._fdx = "stderr"
         root.addHandler(h)
-    root.setLevel(level)
+        root.setLevel(getattr(logging, str(envs.FD_LOG_LEVEL.get()).upper(), logging.INFO))
     if log_file:
         try:
             fh = logging.FileHandler(log_file, encoding="utf-8")
         except OSError as e:
             raise CliError(f"--log-file {log_file}: {e.strerror or e}") from None
         fh.setFormatter(fmt)
-        fh._fdx = "file"
         root.addHandler(fh)
-
 
 
 def root_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -126,6 +126,8 @@ def cmd_encode(args) -> int:
 # ------------------------------------------------------------------------- bench
 def cmd_bench_vision(args) -> int:
     from ..bench import vision
+    if not args.no_reference:
+        import transformers  # noqa: F401 - the reference's package, missing -> one line before any loading
     try:
         return vision.run_vision_bench(model_source_from_args(args, default_dummy=True), plan_request_from_args(args),
                                        vision.options_from_args(args))
@@ -305,8 +307,9 @@ def _missing_extra(command: str, e: ModuleNotFoundError) -> int:
     extra = EXTRA_OF_MODULE.get(top)
     if extra is None:
         raise e
+    hint = " (or --no-reference: ours only)" if top == "transformers" and command.startswith("bench") else ""
     print(f"fastdeploy-ext {command}: error: needs the [{extra}] extra ({top} is not installed): "
-          f"pip install 'fastdeploy_ext[{extra}]'", file=sys.stderr)
+          f"pip install 'fastdeploy_ext[{extra}]'{hint}", file=sys.stderr)
     return 2
 
 
