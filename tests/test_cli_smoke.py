@@ -79,6 +79,7 @@ def test_bench_generate_tiny_warms_up_only_requested_shapes(tmp_path):
             "--line-tokens", "2", "--no-reference", "--json-out", out)
     no_nan(r.stdout)
     assert "warm-up with 1 image(s) (line)" in r.stderr
+    assert "bench generate: 100%" in r.stderr and "2/2" in r.stderr          # the progress bar on stderr
     rep = json.loads(out.read_text())
     assert rep["workloads"]["lines256"]["ours"]["requests"] == 2 and rep["kv_blocks_used_at_end"] == 0
 

@@ -181,7 +181,11 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     before = engine.stats()
     steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
-    with GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
+    from tqdm.auto import tqdm
+    # finished requests on stderr (a multi-minute CPU run is not silent); updated only when a
+    # request finishes, at most once a second: nothing measurable inside the timed loop
+    bar = tqdm(total=len(images), desc="bench generate", unit="req", mininterval=1.0, disable=len(images) < 2)
+    with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
         t0, t0_epoch = time.perf_counter(), time.time()
         for rid, png in zip(ids, images):
             engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
@@ -199,6 +203,7 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o
+                    bar.update(1)
             if not outs and not engine.has_unfinished_in_engine():
                 time.sleep(0.0005)          # still preprocessing: nothing to run yet
         wall = time.perf_counter() - t0
