@@ -182,6 +182,21 @@ def _png(path, w, h, color):
     return str(path)
 
 
+def test_image_args_expand_in_order_and_literal_names_win(tmp_path):
+    from fastdeploy_ext.entrypoints.args import CliError
+    from fastdeploy_ext.entrypoints.cli import expand_image_args
+    d = tmp_path / "d"
+    d.mkdir()
+    for n in ("b.png", "a.JPG", "x.txt"):
+        (d / n).write_bytes(b"")
+    odd = tmp_path / "page[1].png"          # glob characters in a real file's name
+    odd.write_bytes(b"")
+    assert expand_image_args([str(odd), str(d), "data:image/png;base64,AA==", "missing.png"]) == [
+        str(odd), str(d / "a.JPG"), str(d / "b.png"), "data:image/png;base64,AA==", "missing.png"]
+    with pytest.raises(CliError, match="the pattern matches no file"):
+        expand_image_args([str(tmp_path / "*.tif")])
+
+
 def test_generate_images_globs_dirs_sources(tmp_path):
     scans = tmp_path / "scans"
     scans.mkdir()

@@ -322,8 +322,8 @@ def expand_image_args(items: list[str]) -> list[str]:
     import os
     out: list[str] = []
     for item in items:
-        if item.startswith("data:") or item.startswith("file://"):
-            out.append(item)
+        if item.startswith("data:") or item.startswith("file://") or os.path.isfile(item):
+            out.append(item)        # an existing file is itself even if its name has glob characters
         elif os.path.isdir(item):
             found = sorted(os.path.join(item, n) for n in os.listdir(item)
                            if n.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.join(item, n)))
