@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
