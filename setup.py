@@ -7,6 +7,8 @@ setup(
     version="0.1.0",
     description="Fast multi-vendor inference of OCR vision-language models (PaddleOCR-VL)",
     python_requires=">=3.10",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*", "backends", "backends.*"]),
     # the conformance suite's references (tiny checkpoints, images, expected outputs; see
     # fastdeploy_ext/conformance/references.py): the suite runs without transformers. Each backend
@@ -23,7 +25,7 @@ setup(
         "py-cpuinfo>=9",
         "tokenizers>=0.20",     # the model dir's tokenizer.json
         "jinja2>=3",            # chat templates
-        "tqdm>=4",              # the offline LLM's progress bar
+        "tqdm>=4.60",           # progress bars: LLM.generate/chat, `generate`
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],

@@ -30,10 +30,10 @@ def free_port() -> int:
 class ServerProc:
     """`python -m fastdeploy_ext.entrypoints.openai.api_server ...` on a free port."""
 
-    def __init__(self, *args: str, env: dict | None = None, metrics_port: bool = False):
+    def __init__(self, *args: str, env: dict | None = None, metrics_port: bool = False, model_dir: str | None = None):
         self.port = free_port()
         self.metrics_port = free_port() if metrics_port else None
-        cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.openai.api_server", "--model", str(tiny_vl()),
+        cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.openai.api_server", "--model", model_dir or str(tiny_vl()),
                *TINY_ARGS, "--port", str(self.port), *args]
         if self.metrics_port:
             cmd += ["--metrics-port", str(self.metrics_port)]

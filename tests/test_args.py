@@ -27,10 +27,18 @@ def test_every_runner_command_takes_the_shared_flags(argv):
     assert req.graph_config.use_cudagraph is False
 
 
-def test_model_source_conversion():
+def test_model_source_conversion(tmp_path):
     p = build_parser()
-    ns = p.parse_args(["encode", "--model", "/m", "--model-format", "paddle", "--image", "x", "--output", "o"])
-    assert A.model_source_from_args(ns) == ModelSource("/m", "auto", "paddle")
+    ns = p.parse_args(["encode", "--model", str(tmp_path), "--model-format", "paddle", "--image", "x", "--output", "o"])
+    assert A.model_source_from_args(ns) == ModelSource(str(tmp_path), "auto", "paddle")
+    # a missing or non-directory --model is a CliError naming it (one line, exit 2), before any loading
+    ns = p.parse_args(["encode", "--model", "/m", "--image", "x", "--output", "o"])
+    with pytest.raises(A.CliError, match="--model /m: does not exist"):
+        A.model_source_from_args(ns)
+    (tmp_path / "f").write_text("")
+    ns = p.parse_args(["encode", "--model", str(tmp_path / "f"), "--image", "x", "--output", "o"])
+    with pytest.raises(A.CliError, match="is a file, not a directory"):
+        A.model_source_from_args(ns)
     ns = p.parse_args(["encode", "--image", "x", "--output", "o"])
     with pytest.raises(A.CliError, match="--model DIR is required"):
         A.model_source_from_args(ns)

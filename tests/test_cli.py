@@ -112,19 +112,22 @@ def test_micro_benchmarks_without_a_gpu_say_so():
 
 
 def test_info_prints_probe_and_plan_with_reasons():
+    text = cli("info", "--device", "cpu_amx").stdout
+    assert "probes:" in text and "plan: runner=cpu_amx" in text
     r = cli("info", "--device", "cpu_amx", "--json")
-    assert "probes:" in r.stdout and "plan: runner=cpu_amx" in r.stdout
-    probe = json.loads(r.stdout.strip().splitlines()[-1])["probe"]["details"]
+    last = json.loads(r.stdout)           # --json: the whole of stdout is one JSON object
+    probe = last["probe"]["details"]
     if probe["has_amx"]:          # the AMX evidence (oneDNN on the encoder's matmuls) is in the probe line
-        assert "of the encoder's bf16 matmuls on AMX" in r.stdout
-    last = json.loads(r.stdout.strip().splitlines()[-1])
+        assert "of the encoder's bf16 matmuls on AMX" in text
+        assert "of the encoder's bf16 matmuls on AMX" in last["probes"]["cpu_amx"]
     plan = last["plan"]
     assert plan["row"] in ("cpu", "cpu_amx")
     for k in ("dtype", "attention", "qkv_layout", "grid_thw", "graphs", "fused_layers"):
         assert plan[k]["reason"]
     assert plan["row"] == ("cpu_amx" if probe.get("amx_proven") else "cpu")
     if plan["row"] == "cpu":
-        assert "no AMX" in r.stdout or "oneDNN did not run" in r.stdout
+        assert "no AMX" in text or "oneDNN did not run" in text
+    assert set(last["backends"]) >= {"cpu", "cpu_amx"} and last["version"] and "FD_LOG_LEVEL" in last["environment"]
 
 
 def test_encode_dummy_weights_builtin_config(tmp_path):

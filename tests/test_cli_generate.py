@@ -27,7 +27,8 @@ def test_generate_json_one_line_per_image_matches_transformers(refs):
             "--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--dtype", "float32", "--json", *SMALL)
     objs = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert len(objs) == 2
-    assert all(set(o) == {"text", "token_ids", "prompt_token_ids"} for o in objs)
+    assert all(set(o) == {"source", "text", "token_ids", "prompt_token_ids"} for o in objs)
+    assert [o["source"] for o in objs] == [str(imgs[0]), str(imgs[1])]
     assert [o["token_ids"] for o in objs] == expected["token_ids"][:2]
     assert all(isinstance(o["text"], str) and len(o["prompt_token_ids"]) > 8 for o in objs)
     assert "max prefill: True" in r.stderr and "KV pool:" in r.stderr        # choices logged with reasons

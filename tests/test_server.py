@@ -75,7 +75,8 @@ def test_startup_logs_and_models(srv, client):
     assert "ignoring FastDeploy flag --engine-worker-queue-port=8187" in out
     assert "ignoring FastDeploy flag --enable-mm" in out
     assert "FD_ENABLE_MAX_PREFILL=1" in out and "plan:" in out and "KV pool:" in out
-    assert [m.id for m in client.models.list().data] == [str(tiny_vl())]
+    # the default served names: the --model path as typed, then the directory's own name
+    assert [m.id for m in client.models.list().data] == [str(tiny_vl()), "tiny_vl"]
 
 
 def test_plain_and_streaming_agree_with_usage_and_logprobs(srv, client, images):

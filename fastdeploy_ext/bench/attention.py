@@ -40,6 +40,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from . import BenchError
 from .timing import call_times_ms
 
 WORKLOADS: dict[str, list[int]] = {
@@ -296,18 +297,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
-    return run_cli(ap.parse_args(argv))
+    try:
+        return run_cli(ap.parse_args(argv))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def run_cli(args) -> int:
     """`fastdeploy-ext bench attention` / `python -m fastdeploy_ext.bench.attention`."""
     unknown = [w for w in args.workloads.split(",") if w and w not in WORKLOADS]
     if unknown:
-        print(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
-        return 2
+        raise BenchError(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     if not torch.cuda.is_available():
-        print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
-        return 2
+        raise BenchError("needs a CUDA device (it times CUDA attention kernels); this machine has none")
     try:
         from fastdeploy_ext.ops.triton import varlen_attention as ta
         from fastdeploy_ext.ops.triton.runtime import triton_available

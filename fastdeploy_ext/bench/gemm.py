@@ -25,23 +25,32 @@ from . import BenchError
 from .timing import median_ms
 
 HIDDEN, INTER = 1152, 4304
-LAYER_SHAPES = {"qkv": (HIDDEN, 3 * HIDDEN), "out_proj": (HIDDEN, HIDDEN), "fc1": (HIDDEN, INTER), "fc2": (INTER, HIDDEN)}
+
+
+def layer_shapes(hidden: int = HIDDEN, inter: int = INTER) -> dict[str, tuple[int, int]]:
+    """(in, out) of an encoder layer's four GEMMs (the released 0.9B's by default)."""
+    return {"qkv": (hidden, 3 * hidden), "out_proj": (hidden, hidden), "fc1": (hidden, inter), "fc2": (inter, hidden)}
+
+
+LAYER_SHAPES = layer_shapes()
 GEMM_OPS = ("aten::addmm", "aten::mm", "aten::_addmm_activation", "aten::bmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
                  "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_efficient_attention")
 
 _CHILD = r"""
-import sys, torch, torch.nn.functional as F
-m, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+import json, sys, torch, torch.nn.functional as F
+m, dtype, shapes = int(sys.argv[1]), getattr(torch, sys.argv[2]), json.loads(sys.argv[3])
 with torch.inference_mode():
-    for k, n in %r:
+    for k, n in shapes:
         x = torch.randn(m, k, dtype=dtype); w = torch.randn(n, k, dtype=dtype); b = torch.randn(n, dtype=dtype)
         F.linear(x, w, b)
 print("fdx: done", flush=True)
-""" % (list(LAYER_SHAPES.values()),)
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model dir whose encoder runs (and whose layer shapes the "
+                   "ceiling uses); default: random weights of the released 0.9B config")
     p.add_argument("--device", default="cpu_amx", help="cpu_amx, cpu or cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--tokens", default="320,1536", help="comma list of token counts (GEMM M) for the ceiling")
@@ -51,30 +60,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default=None)
 
 
-def layer_gemm_flops(tokens: int) -> dict[str, float]:
-    return {name: 2.0 * tokens * k * n for name, (k, n) in LAYER_SHAPES.items()}
+def layer_gemm_flops(tokens: int, shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> dict[str, float]:
+    return {name: 2.0 * tokens * k * n for name, (k, n) in shapes.items()}
 
 
-def encoder_gemm_flops(tokens: int, layers: int, patch_dim: int, merge: int, text_hidden: int) -> float:
+def encoder_gemm_flops(tokens: int, layers: int, patch_dim: int, merge: int, text_hidden: int,
+                       shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> float:
     """All GEMM FLOPs of one encoder + projector call on ``tokens`` patches."""
-    per_layer = sum(layer_gemm_flops(tokens).values())
+    per_layer = sum(layer_gemm_flops(tokens, shapes).values())
+    hidden = shapes["out_proj"][0]
     merged = tokens // (merge * merge)
-    proj_in = HIDDEN * merge * merge
-    return (layers * per_layer + 2.0 * tokens * patch_dim * HIDDEN
+    proj_in = hidden * merge * merge
+    return (layers * per_layer + 2.0 * tokens * patch_dim * hidden
             + 2.0 * merged * proj_in * proj_in + 2.0 * merged * proj_in * text_hidden)
 
 
-def weighted_ceiling(rates: dict[str, float], tokens: int) -> float:
+def weighted_ceiling(rates: dict[str, float], tokens: int, shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> float:
     """TFLOP/s of the four layer GEMMs run back to back at their measured rates."""
-    fl = layer_gemm_flops(tokens)
+    fl = layer_gemm_flops(tokens, shapes)
     return sum(fl.values()) / sum(fl[n] / rates[n] for n in fl)
 
 
-def onednn_evidence(tokens: int, dtype: str) -> dict:
-    from ..platforms import parse_onednn_verbose
+def onednn_evidence(tokens: int, dtype: str, shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> dict:
+    from backends.cpu_amx.probe import parse_onednn_verbose
     env = dict(os.environ, ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
     try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(tokens), dtype], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", _CHILD, str(tokens), dtype, json.dumps(list(shapes.values()))],
+                           env=env, capture_output=True,
                            text=True, timeout=120)
     except Exception as e:  # noqa: BLE001 - evidence is reported, never fatal
         return {"amx_used": False, "reason": f"child failed: {type(e).__name__}: {e}"}
@@ -110,6 +122,13 @@ def run_cli(args) -> int:
     except (PlanError, RuntimeError, ValueError) as e:
         raise BenchError(str(e)) from None
     device, dtype = runner.device, runner.dtype
+    from ..models.paddleocr_vl.loader import CheckpointError
+    try:
+        (ModelSource(args.model, "auto", "auto") if args.model else ModelSource(None, "dummy", "auto")).load_into(runner)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    vc = runner.cfg.vision
+    shapes = layer_shapes(vc.hidden_size, vc.intermediate_size)
     print(f"bench gemm: device {runner.plan.device} (row {runner.plan.row}), {dtype}, "
           f"torch threads {torch.get_num_threads()}")
     res: dict = {"device": runner.plan.device, "row": runner.plan.row, "dtype": str(dtype),
@@ -117,17 +136,16 @@ def run_cli(args) -> int:
     with torch.inference_mode():
         for m in tokens:
             rates = {}
-            for name, (k, n) in LAYER_SHAPES.items():
+            for name, (k, n) in shapes.items():
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 w = torch.randn(n, k, device=device, dtype=dtype)
                 b = torch.randn(n, device=device, dtype=dtype)
                 ms = median_ms(lambda: F.linear(x, w, b), args.warmup, args.iters, device.type)
                 rates[name] = 2.0 * m * k * n / (ms / 1000) / 1e12
-            res["ceiling"][m] = {"per_shape_tflops": rates, "weighted_tflops": weighted_ceiling(rates, m)}
+            res["ceiling"][m] = {"per_shape_tflops": rates, "weighted_tflops": weighted_ceiling(rates, m, shapes)}
             print(f"  ceiling M={m:<6} " + "  ".join(f"{n} {r:6.2f}" for n, r in rates.items())
                   + f"  -> weighted {res['ceiling'][m]['weighted_tflops']:.2f} TFLOP/s")
 
-        ModelSource(None, load_format="dummy").load_into(runner)
         grids = WORKLOADS[args.workload]
         n_tok = sum(t * h * w for t, h, w in grids)
         pixels = runner.upload_pixels(torch.randn(n_tok, 3, 14, 14))
@@ -136,26 +154,25 @@ def run_cli(args) -> int:
         ops = _profile_ops(call)
         gemm_ms = sum(ops.get(k, 0.0) for k in GEMM_OPS)
         attn_ms = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
-        vc = runner.cfg.vision
         flops = encoder_gemm_flops(n_tok, vc.num_hidden_layers, 3 * vc.patch_size ** 2, vc.spatial_merge_size,
-                                   runner.cfg.text.hidden_size)
-        rate = flops / (gemm_ms / 1000) / 1e12 if gemm_ms else float("nan")
+                                   runner.cfg.text.hidden_size, shapes)
+        rate = flops / (gemm_ms / 1000) / 1e12 if gemm_ms else None      # no GEMM op in the profile
         if n_tok not in res["ceiling"]:
             print(f"  (ceiling at M={n_tok} not measured: add it to --tokens for the ratio)")
         ceil = res["ceiling"].get(n_tok, {}).get("weighted_tflops")
         res["encoder"] = {"workload": args.workload, "tokens": n_tok, "ms": total_ms, "gemm_ms_profiled": gemm_ms,
                           "attention_ms_profiled": attn_ms, "gemm_tflop": flops / 1e12, "gemm_tflops": rate,
-                          "ceiling_tflops": ceil, "ratio_to_ceiling": (rate / ceil) if ceil else None,
+                          "ceiling_tflops": ceil, "ratio_to_ceiling": (rate / ceil) if ceil and rate else None,
                           "top_ops_ms": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])}
         e = res["encoder"]
         print(f"  encoder {args.workload} ({n_tok} patches): {total_ms:.1f} ms; profiled GEMMs {gemm_ms:.1f} ms "
-              f"({flops / 1e12:.2f} TFLOP -> {rate:.2f} TFLOP/s"
-              + (f", {e['ratio_to_ceiling'] * 100:.0f}% of the {ceil:.2f} ceiling" if ceil else "")
+              f"({flops / 1e12:.2f} TFLOP -> " + (f"{rate:.2f} TFLOP/s" if rate is not None else "n/a")
+              + (f", {e['ratio_to_ceiling'] * 100:.0f}% of the {ceil:.2f} ceiling" if ceil and rate else "")
               + f"), attention {attn_ms:.1f} ms")
         for k, v in e["top_ops_ms"].items():
             print(f"    {v:9.2f} ms  {k}")
     if device.type == "cpu":
-        res["onednn"] = onednn_evidence(n_tok, args.dtype)
+        res["onednn"] = onednn_evidence(n_tok, args.dtype, shapes)
         print(f"  oneDNN on the encoder shapes (M={n_tok}): amx_used={res['onednn']['amx_used']} "
               f"kernels={res['onednn'].get('kernels')}")
     if args.json_out:

@@ -103,6 +103,16 @@ def line_pngs(n: int, seed0: int = 10_000) -> list[bytes]:
     return [synthetic_png(seed0 + i, 640 + 16 * (i % 8), 48, 1) for i in range(n)]
 
 
+def _warm_kinds(workloads) -> list[str]:
+    return list(dict.fromkeys("lines256" if wl == "lines256" else "page" for wl in workloads))
+
+
+def warmup_images(workloads) -> list[list[bytes]]:
+    """One warm-up image per image shape among ``workloads``: a text line for lines256, a 1080p
+    page for page1 / pages64."""
+    return [line_pngs(1, 99_999) if k == "lines256" else page_pngs(1, 77_777) for k in _warm_kinds(workloads)]
+
+
 def bench_params(tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                           repetition_guard=RepetitionGuard(enabled=False))
@@ -171,7 +181,11 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     before = engine.stats()
     steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
-    with GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
+    from tqdm.auto import tqdm
+    # finished requests on stderr (a multi-minute CPU run is not silent); updated only when a
+    # request finishes, at most once a second: nothing measurable inside the timed loop
+    bar = tqdm(total=len(images), desc="bench generate", unit="req", mininterval=1.0, disable=len(images) < 2)
+    with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
         t0, t0_epoch = time.perf_counter(), time.time()
         for rid, png in zip(ids, images):
             engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
@@ -189,6 +203,7 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o
+                    bar.update(1)
             if not outs and not engine.has_unfinished_in_engine():
                 time.sleep(0.0005)          # still preprocessing: nothing to run yet
         wall = time.perf_counter() - t0
@@ -289,9 +304,12 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
               "kv_blocks": engine.block_manager.num_blocks, "workloads": {},
               "reference_weights": (None if ref is None else "same as ours" if ref.same_weights else
                                     "transformers' own random init (dummy): speed compares, tokens do not")}
-    # warm-up: a line and a page (other pixels than the timed ones) through every path, so no
-    # workload's first request pays Triton compiles or allocator growth; the reference likewise
-    warm = [line_pngs(1, 99_999), page_pngs(1, 77_777)]
+    # warm-up: one image of each shape the requested workloads use (other pixels than the timed
+    # ones), so no workload's first request pays Triton compiles or allocator growth; the
+    # reference likewise. Only those shapes: a 1080p page on the CPU takes minutes.
+    warm = warmup_images(opts.workloads)
+    log.info("bench generate: warm-up with %d image(s) (%s)", len(warm),
+             ", ".join("line" if wl == "lines256" else "page" for wl in _warm_kinds(opts.workloads)))
     for imgs in warm:
         run_ours(engine, imgs, opts.prompt, 4)
     if ref:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..ops.norm import add_layer_norm
 from ..ops.rotary import rotary_in_place, rotary_qk_in_place
+from . import BenchError
 from .timing import median_ms
 
 HIDDEN, INTER, HEADS, HEAD_DIM = 1152, 4304, 16, 72
@@ -181,15 +182,12 @@ def run_cli(args) -> int:
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
-        print(f"--tokens must be a comma list of positive ints, got {args.tokens!r}", file=sys.stderr)
-        return 2
+        raise BenchError(f"--tokens must be a comma list of positive ints, got {args.tokens!r}") from None
     if not tokens or min(tokens) < 1 or args.pad_to < 1 or args.iters < 1 or args.warmup < 0:
-        print("--tokens, --pad-to and --iters must be positive, --warmup >= 0", file=sys.stderr)
-        return 2
+        raise BenchError("--tokens, --pad-to and --iters must be positive, --warmup >= 0")
     if not torch.cuda.is_available():
-        print("bench layers needs a CUDA device (it times CUDA kernels: cuBLASLt epilogues, Triton)",
-              file=sys.stderr)
-        return 2
+        raise BenchError("needs a CUDA device (it times CUDA kernels: cuBLASLt epilogues, Triton); "
+                         "this machine has none")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} bf16, hidden {HIDDEN}, MLP {INTER}")
     rows = run(tokens, args.iters, args.warmup, args.pad_to)
     if args.tune:
@@ -203,7 +201,11 @@ def run_cli(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(ap)
-    return run_cli(ap.parse_args(argv))
+    try:
+        return run_cli(ap.parse_args(argv))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ time to first token is measured on the client. Workloads:
 - single: requests one at a time: e2e latency and TTFT;
 - 4x8: 4 clients, each sending 8 requests one after another: avg, P50, P95 of e2e and TTFT;
 - c32: --c32-requests requests at 32 concurrency: requests/s and output tokens/s.
+
+``--base-url URL`` measures a server that is already running (ours or any OpenAI-compatible
+one, e.g. vLLM's) with the same workloads instead of starting ours; ``--reference-url URL``
+adds a second running server as the reference side. The model name sent is ``--model-name`` or
+the first id of the server's ``GET /v1/models``.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from . import BenchError
 
@@ -50,6 +56,9 @@ class ServeBenchOptions:
     reference_max_batch: int
     json_out: str | None
     startup_timeout: float
+    base_url: str | None = None          # measure this running server instead of starting ours
+    reference_url: str | None = None     # a running reference server (with base_url)
+    model_name: str | None = None        # `model` of the requests (running servers; default: /v1/models)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-max-batch", type=int, default=32, help="the reference's largest static batch")
     p.add_argument("--json-out", default=None)
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of "
+                        "starting ours; no reference side unless --reference-url")
+    p.add_argument("--reference-url", default=None, metavar="URL", help="with --base-url: a running reference server")
+    p.add_argument("--model-name", default=None,
+                   help="`model` sent to a running server (default: the first id of its GET /v1/models)")
 
 
 def options_from_args(ns) -> ServeBenchOptions:
@@ -80,9 +95,15 @@ def options_from_args(ns) -> ServeBenchOptions:
         w, h = (int(x) for x in ns.image_size.lower().split("x"))
     except ValueError:
         raise BenchError(f"--image-size must be WxH, got {ns.image_size!r}") from None
-    if ns.load_format != "dummy" and not ns.model:
-        raise BenchError("--model DIR is required (or --load-format dummy, which runs ours only)")
-    reference = not ns.no_reference
+    if ns.reference_url and not ns.base_url:
+        raise BenchError("--reference-url needs --base-url (both sides already running)")
+    for flag, url in (("--base-url", ns.base_url), ("--reference-url", ns.reference_url)):
+        if url and not url.startswith(("http://", "https://")):
+            raise BenchError(f"{flag} must be an http(s) URL, got {url!r}")
+    if ns.base_url is None and ns.load_format != "dummy" and not ns.model:
+        raise BenchError("--model DIR is required (or --load-format dummy, which runs ours only; "
+                         "or --base-url URL of a running server)")
+    reference = bool(ns.reference_url) if ns.base_url else not ns.no_reference
     for name in ("output_tokens", "single_requests", "c32_requests", "reference_max_batch"):
         if getattr(ns, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
@@ -91,7 +112,9 @@ def options_from_args(ns) -> ServeBenchOptions:
                              output_tokens=ns.output_tokens, single_requests=ns.single_requests,
                              c32_requests=ns.c32_requests, image_size=(w, h), reference=reference,
                              reference_max_batch=ns.reference_max_batch, json_out=ns.json_out,
-                             startup_timeout=ns.startup_timeout)
+                             startup_timeout=ns.startup_timeout, base_url=ns.base_url and ns.base_url.rstrip("/"),
+                             reference_url=ns.reference_url and ns.reference_url.rstrip("/"),
+                             model_name=ns.model_name)
 
 
 # ------------------------------------------------------------------ servers
@@ -183,15 +206,23 @@ async def _one(client, url: str, body: dict) -> Sample:
     return Sample(True, time.perf_counter() - t0, ttft, tokens)
 
 
-def request_body(png: bytes, tokens: int) -> dict:
+def request_body(png: bytes, tokens: int, model: str = "bench", ours: bool = True) -> dict:
+    """``ours``: the server is one this module started (ours or the reference), which take our
+    extra field; a running server of unknown kind gets only OpenAI's fields and vLLM's
+    ignore_eos (which vLLM, SGLang and FastDeploy all accept)."""
     url = "data:image/png;base64," + base64.b64encode(png).decode()
-    return {"model": "bench", "messages": [{"role": "user", "content": [
+    body = {"model": model, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "OCR:"}]}],
         "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True}}
+    if ours:
         # random weights repeat themselves: without this the repetition-loop guard ends requests
         # early (the H200 run's single requests stopped short of 512 tokens)
-        "repetition_guard": {"enabled": False}}
+        body["repetition_guard"] = {"enabled": False}
+    return body
+
+
+_request_body = request_body
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -218,9 +249,11 @@ def _summary(samples: list[Sample], wall: float, tokens: int) -> dict:
     return out
 
 
-async def run_workload(url: str, name: str, pages: list[bytes], o: ServeBenchOptions) -> dict:
+async def run_workload(url: str, name: str, pages: list[bytes], o: ServeBenchOptions, model: str = "bench",
+                       ours: bool = True) -> dict:
     import httpx
     tokens = o.output_tokens
+    request_body = partial(_request_body, model=model, ours=ours)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         await _one(client, url, request_body(pages[-1], 4))                   # warm-up
@@ -256,6 +289,8 @@ def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
     w, h = o.image_size
     n_pages = max(o.c32_requests, 32, o.single_requests)
     pages = [synthetic_png(20_000 + i, w, h, max(h // 27, 1)) for i in range(n_pages)]
+    if o.base_url:
+        return _measure_running(o, pages)
     report = {"device": o.device, "dtype": o.dtype, "model": o.model or "dummy", "image_size": f"{w}x{h}",
               "output_tokens_per_request": o.output_tokens, "server_args": list(o.server_args),
               "reference": "transformers generate, static batches of up to "
@@ -272,6 +307,40 @@ def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
                 log.info("%s %s: %s", side, wl, json.dumps(res))
         finally:
             srv.stop()
+    return _with_speedups(report)
+
+
+def served_model_name(url: str) -> str:
+    """The first model id a running OpenAI-compatible server lists."""
+    import httpx
+    try:
+        r = httpx.get(url + "/v1/models", timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise BenchError(f"{url}/v1/models: cannot read a model id ({type(e).__name__}: {e}); "
+                         f"pass --model-name") from None
+
+
+def _measure_running(o: ServeBenchOptions, pages: list[bytes]) -> dict:
+    """The workloads against servers that are already running (--base-url, --reference-url)."""
+    sides = [("ours", o.base_url)] + ([("reference", o.reference_url)] if o.reference_url else [])
+    w, h = o.image_size
+    report = {"device": "remote", "dtype": "remote", "model": None, "image_size": f"{w}x{h}",
+              "output_tokens_per_request": o.output_tokens, "server_args": [], "base_url": o.base_url,
+              "reference": o.reference_url, "workloads": {}}
+    names = {}
+    for side, url in sides:
+        names[side] = o.model_name or served_model_name(url)
+        for wl in o.workloads:
+            res = asyncio.run(run_workload(url, wl, pages, o, model=names[side], ours=False))
+            report["workloads"].setdefault(wl, {})[side] = res
+            log.info("%s %s (%s): %s", side, wl, url, json.dumps(res))
+    report["model"] = names["ours"]
+    return _with_speedups(report)
+
+
+def _with_speedups(report: dict) -> dict:
     for wl, r in report["workloads"].items():
         if "ours" in r and "reference" in r and r["reference"].get("requests_per_s"):
             r["speedup_requests_per_s"] = r["ours"]["requests_per_s"] / r["reference"]["requests_per_s"]
@@ -281,8 +350,11 @@ def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"bench serve: device {report['device']} dtype {report['dtype']} model {report['model']} "
+    where = (f"server {report['base_url']}" if report.get("base_url") else
+             f"device {report['device']} dtype {report['dtype']}")
+    print(f"bench serve: {where} model {report['model']} "
           f"pages {report['image_size']}, {report['output_tokens_per_request']} output tokens per request (ignore_eos)")
+    ref_label = "reference:   " if report.get("base_url") else "transformers:"
 
     def fmt(r):
         if r is None:
@@ -297,9 +369,9 @@ def print_report(report: dict) -> None:
     for wl, r in report["workloads"].items():
         print(f"  {wl:6s} ours:         {fmt(r.get('ours'))}")
         if "reference" in r:
-            print(f"  {wl:6s} transformers: {fmt(r.get('reference'))}")
+            print(f"  {wl:6s} {ref_label} {fmt(r.get('reference'))}")
         if "speedup_requests_per_s" in r:
-            print(f"  {wl:6s} ours / transformers: x{r['speedup_requests_per_s']:.2f} requests/s"
+            print(f"  {wl:6s} ours / {ref_label.strip(': ')}: x{r['speedup_requests_per_s']:.2f} requests/s"
                   + (f", x{r['speedup_e2e_avg']:.2f} average e2e latency" if "speedup_e2e_avg" in r else ""))
 
 

@@ -241,7 +241,7 @@ def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> l
         reference_out[w] = call().float()
         ref_ms[w] = ms
         rows.append({"workload": w, "variant": "transformers", "ms": ms, "peak_gib": peak, "speedup_vs_ref": 1.0})
-        print(f"  {w:<10} {ms:9.2f} ms  peak {peak if peak is not None else float('nan'):6.2f} GiB")
+        print(f"  {w:<10} {ms:9.2f} ms  " + (f"peak {peak:6.2f} GiB" if peak is not None else "peak n/a (CPU)"))
     del ref
     gc.collect()
     return rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .. import envs
@@ -35,12 +36,44 @@ class CliError(Exception):
 
 
 # ------------------------------------------------------------------ parsers
-def setup_logging() -> None:
-    """FD_LOG_LEVEL to stderr, one format for every command (fastdeploy-ext, the server)."""
-    level = str(envs.FD_LOG_LEVEL.get()).upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
-                        format="[fastdeploy_ext] %(levelname)s %(message)s")
+LOG_FORMAT = "%(asctime)s.%(msecs)03d [fastdeploy_ext] %(levelname)s %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (tests swap it)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def setup_logging(log_file: str | None = None) -> None:
+    """FD_LOG_LEVEL to stderr, one timestamped format for every command (fastdeploy-ext, the
+    server), as logging.basicConfig would (nothing is added where the root logger already has
+    handlers, e.g. under pytest). ``log_file`` (the server's --log-file) also appends every line
+    to that file; the server calls this a second time, after parsing its flags, for it."""
+    fmt = logging.Formatter(LOG_FORMAT, LOG_DATEFMT)
+    root = logging.getLogger()
+    if not root.handlers:
+        h = _StderrHandler()
+        h.setFormatter(fmt)
+        root.addHandler(h)
+        root.setLevel(getattr(logging, str(envs.FD_LOG_LEVEL.get()).upper(), logging.INFO))
+    if log_file:
+        try:
+            fh = logging.FileHandler(log_file, encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"--log-file {log_file}: {e.strerror or e}") from None
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
 
 
 def root_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -77,6 +110,11 @@ def model_source_from_args(ns: argparse.Namespace, *, default_dummy: bool = Fals
         return ModelSource(None, "dummy", ns.model_format)
     if not ns.model:
         raise CliError("--model DIR is required (or --load-format dummy for random weights)")
+    if not os.path.isdir(ns.model):
+        # checked here, before anything is built or a server listens: one line, exit status 2
+        what = "is a file, not a directory" if os.path.exists(ns.model) else "does not exist"
+        raise CliError(f"--model {ns.model}: {what} (a local model directory with config.json and "
+                       f"*.safetensors; or --load-format dummy for random weights)")
     return ModelSource(ns.model, load_format, ns.model_format)
 
 

@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from .. import envs
+from .. import __version__, envs
 from ..plan import PlanError
 from ..runner import ModelSource
 from ..bench import BenchError
@@ -48,30 +48,38 @@ def build_runner(args, source: ModelSource | None = None):
 
 # -------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
+    """The text report, or with --json one JSON object only (backends, environment, capability
+    rows, probes, the plan): a script reads stdout with json.loads."""
     from ..runner import available_backends
     backends = available_backends()
-    print("fastdeploy_ext info")
-    print("backends:", ", ".join(sorted(backends)))
-    print("environment:", ", ".join(f"{v.name}={v.get()}" for v in envs.ALL))
     from ..capabilities import capability_table
     try:
         table = capability_table(args.capabilities)
     except PlanError as e:
         raise CliError(str(e)) from None
+    from ..runner import create_runner
+    try:
+        runner = create_runner(plan_request_from_args(args))
+    except (PlanError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print(json.dumps({"version": __version__, "backends": sorted(backends),
+                          "environment": {v.name: v.get() for v in envs.ALL},
+                          "capability_rows": {name: {"runner": row.runner, "source": str(row.source)}
+                                              for name, row in table.items()},
+                          "probes": {name: cls.probe().summary() for name, cls in sorted(backends.items())},
+                          "probe": runner.probe_result.to_dict(), "plan": runner.plan.to_dict()}, default=str))
+        return 0
+    print("fastdeploy_ext info")
+    print("backends:", ", ".join(sorted(backends)))
+    print("environment:", ", ".join(f"{v.name}={v.get()}" for v in envs.ALL))
     print("capability rows:")
     for name, row in table.items():
         print(f"  {name:<12} runner={row.runner:<8} from {row.source}")
     print("probes:")
     for name, cls in sorted(backends.items()):
         print(f"  {name:<8} {cls.probe().summary()}")
-    from ..runner import create_runner
-    try:
-        runner = create_runner(plan_request_from_args(args))
-    except (PlanError, RuntimeError, ValueError) as e:
-        raise CliError(str(e)) from None
     print(runner.describe())
-    if args.json:
-        print(json.dumps({"probe": runner.probe_result.to_dict(), "plan": runner.plan.to_dict()}, default=str))
     return 0
 
 
@@ -118,6 +126,8 @@ def cmd_encode(args) -> int:
 # ------------------------------------------------------------------------- bench
 def cmd_bench_vision(args) -> int:
     from ..bench import vision
+    if not args.no_reference:
+        import transformers  # noqa: F401 - the reference's package, missing -> one line before any loading
     try:
         return vision.run_vision_bench(model_source_from_args(args, default_dummy=True), plan_request_from_args(args),
                                        vision.options_from_args(args))
@@ -127,11 +137,12 @@ def cmd_bench_vision(args) -> int:
 
 # ---------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    """One request per --image (the prompt in the model's chat template); --json prints one JSON
-    object per image: text, token_ids (generated only), prompt_token_ids."""
+    """One request per image (the prompt in the model's chat template); --json prints one JSON
+    object per image: source (the path), text, token_ids (generated only), prompt_token_ids."""
     from ..engine.errors import InvalidRequest
     from ..engine.sampling_params import SamplingParams
     from .llm import LLM
+    images = expand_image_args(args.image)      # before the model loads: a bad pattern fails fast
     source = model_source_from_args(args)
     config = engine_config_from_args(args, source, plan_request_from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -145,18 +156,18 @@ def cmd_generate(args) -> int:
         llm = LLM.from_config(config)
     except (PlanError, RuntimeError, ValueError) as e:
         raise CliError(str(e)) from None
-    reqs = [{"prompt": args.prompt, "images": [path]} for path in args.image]
+    reqs = [{"prompt": args.prompt, "images": [path]} for path in images]
     try:
-        outs = llm.generate(reqs, params, use_tqdm=False)
+        outs = llm.generate(reqs, params, use_tqdm=True)      # the progress bar is on stderr
     except InvalidRequest as e:
         raise CliError(str(e)) from None
     finally:
         llm.shutdown()
-    for path, out in zip(args.image, outs):
+    for path, out in zip(images, outs):
         o = out.outputs[0]
         if args.json:
-            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_token_ids": out.prompt_token_ids}),
-                  flush=True)
+            print(json.dumps({"source": "<data URL>" if path.startswith("data:") else path, "text": o.text,
+                              "token_ids": o.token_ids, "prompt_token_ids": out.prompt_token_ids}), flush=True)
         else:
             print(o.text, flush=True)
         log.info("%s: %d prompt + %d generated tokens, finish_reason %s", path, len(out.prompt_token_ids),
@@ -180,11 +191,12 @@ def cmd_bench_generate(args) -> int:
 
 def build_parser():
     p = root_parser("fastdeploy-ext", "Fast OCR VLM inference (PaddleOCR-VL)")
+    p.add_argument("--version", action="version", version=f"fastdeploy-ext {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = command_parser(sub, "info", "print device probes and the run plan with reasons")
     add_runner_args(info, model=False)
-    info.add_argument("--json", action="store_true", help="also print probe and plan as JSON")
+    info.add_argument("--json", action="store_true", help="print one JSON object only (probes, rows, plan)")
     info.set_defaults(func=cmd_info)
 
     enc = command_parser(sub, "encode", "vision encoder + projector features of images, to safetensors")
@@ -196,7 +208,9 @@ def build_parser():
 
     gen = command_parser(sub, "generate", "OCR text of images (one request per --image)")
     add_model_args(gen)
-    gen.add_argument("--image", action="append", required=True, help="image file (repeat: one request each)")
+    gen.add_argument("--image", action="extend", nargs="+", required=True, metavar="PATH",
+                     help="image files, globs ('scans/*.png') and directories (their images, sorted); "
+                          "several after one --image or --image repeated; one request each, in order")
     gen.add_argument("--prompt", required=True, help='the task text, e.g. "OCR:", "Table Recognition:"')
     gen.add_argument("--max-tokens", type=int, default=None, help="default: --max-model-len minus the prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -205,7 +219,7 @@ def build_parser():
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens (benchmarks)")
-    gen.add_argument("--json", action="store_true", help="one JSON object per image: text, token_ids, prompt_token_ids")
+    gen.add_argument("--json", action="store_true", help="one JSON object per image: source, text, token_ids, prompt_token_ids")
     add_runner_args(gen, model=False)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -256,11 +270,15 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from .openai.api_server import main as serve_main
+        try:
+            from .openai.api_server import main as serve_main
+        except ModuleNotFoundError as e:
+            return _missing_extra("serve", e)
         return serve_main(argv[1:], prog="fastdeploy-ext serve")
     setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = args.command + (f" {args.bench_target}" if args.command == "bench" else "")
     try:
         from ..runner import emulated_backends
         try:
@@ -270,8 +288,59 @@ def main(argv: list[str] | None = None) -> int:
         with emulation:     # FD_EMULATE=metax: the backend's own fakes, for this command only
             return args.func(args)
     except (CliError, BenchError) as e:
-        print(f"fastdeploy-ext {args.command}: error: {e}", file=sys.stderr)
+        print(f"fastdeploy-ext {command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        return _missing_extra(command, e)
+
+
+# the extra of setup.py that installs a module a command imports on first use
+EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "prometheus_client": "serve",
+                   "httpx": "serve", "anyio": "serve", "transformers": "test", "openai": "test",
+                   "paddle": "paddle", "triton": "cuda", "pynvml": "cuda"}
+
+
+def _missing_extra(command: str, e: ModuleNotFoundError) -> int:
+    """A module of an optional extra is not installed: one line naming the extra, exit status 2.
+    Any other missing module is a bug or a broken install: its traceback is kept."""
+    top = (e.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        raise e
+    hint = " (or --no-reference: ours only)" if top == "transformers" and command.startswith("bench") else ""
+    print(f"fastdeploy-ext {command}: error: needs the [{extra}] extra ({top} is not installed): "
+          f"pip install 'fastdeploy_ext[{extra}]'{hint}", file=sys.stderr)
+    return 2
+
+
+def expand_image_args(items: list[str]) -> list[str]:
+    """--image values -> image paths, in the order given: a file as is, a directory's image
+    files sorted by name, a glob's matches sorted; data: URLs pass through. A glob that
+    matches nothing or a directory without images is a CliError (a typo must not silently run
+    on nothing); a missing plain path is left to the image loader, which names it."""
+    import glob
+    import os
+    out: list[str] = []
+    for item in items:
+        if item.startswith("data:") or item.startswith("file://") or os.path.isfile(item):
+            out.append(item)        # an existing file is itself even if its name has glob characters
+        elif os.path.isdir(item):
+            found = sorted(os.path.join(item, n) for n in os.listdir(item)
+                           if n.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.join(item, n)))
+            if not found:
+                raise CliError(f"--image {item}: directory has no image files ({', '.join(IMAGE_SUFFIXES)})")
+            out.extend(found)
+        elif glob.has_magic(item):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise CliError(f"--image {item}: the pattern matches no file")
+            out.extend(found)
+        else:
+            out.append(item)
+    return out
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
 if __name__ == "__main__":

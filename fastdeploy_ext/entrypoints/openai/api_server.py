@@ -32,8 +32,7 @@ from ... import envs
 from ...engine.errors import EngineDead, RequestFailed
 from .. import args as shared_args
 from ..args import CliError
-from . import cli_args, protocol
-from . import inflight
+from . import cli_args, inflight, protocol, request_log
 from .errors import APIError
 from .http_timeouts import timed_h11_protocol
 from .media import MediaFetcher, MediaPolicy
@@ -141,6 +140,8 @@ class Gate:
 
     async def _refuse(self, scope, receive, send, err: APIError):
         self.state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        if scope["path"] == "/v1/chat/completions":
+            request_log.log_access(None, err.status, finish=err.code)
         # the body may be unread: close the connection rather than parse its rest as a request
         await err.response(headers={"Connection": "close"})(scope, receive, send)
 
@@ -212,6 +213,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def _api_error(request: Request, err: APIError):
         # a refusal is the client's problem (or a 503/504 the client must retry): one line, no traceback
         state.metrics.outcome(_STATUS_LABEL.get(err.status, "error"))
+        if request.url.path == "/v1/chat/completions":
+            request_log.log_access(None, err.status, finish=err.code or "error")
         log.warning("%s %s -> %d %s: %s", request.method, request.url.path, err.status, err.code or "",
                     _loggable(err.message))
         return err.response()
@@ -262,6 +265,7 @@ def build_app(state: ServerState) -> FastAPI:
                                           _stopping(state))
         except _Disconnected:
             state.metrics.outcome("cancelled")
+            request_log.log_access(None, 499, finish="cancelled")
             return Response(status_code=499)     # nobody reads it; the request is aborted
         except EngineDead as e:                  # the watchdog is about to exit the process
             raise APIError(503, f"the engine stopped: {e}", code="engine_dead") from None
@@ -287,6 +291,8 @@ async def _start_engine(state: ServerState) -> None:
         state.request_exit(1)
         return
     state.engine_started = True
+    state.tasks.append(asyncio.create_task(request_log.stats_loop(
+        state.stats, state.config.log_stats_interval, request_log.utilization_reader(state.engine))))
     state.chat.ctx.logprob_formatter = LogprobFormatter(getattr(state.engine, "tokenizer", None))
     processor = getattr(getattr(state.engine, "engine", None), "input_processor", None)
     if processor is not None:
@@ -401,7 +407,7 @@ def build_state(ns: argparse.Namespace) -> ServerState:
     cli_args.notice_ignored_flags(ns)
     source = shared_args.model_source_from_args(ns)
     engine_config = shared_args.engine_config_from_args(ns, source, shared_args.plan_request_from_args(ns))
-    config = cli_args.server_config_from_args(ns, default_model_name=source.model_dir or "dummy")
+    config = cli_args.server_config_from_args(ns, default_model_names=cli_args.default_served_names(source.model_dir))
     enable_max_prefill = envs.FD_ENABLE_MAX_PREFILL.get()
     log.info("FD_ENABLE_MAX_PREFILL=%d (%s)", int(enable_max_prefill),
              "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
@@ -479,6 +485,7 @@ def serve_from_namespace(ns: argparse.Namespace, prog: str = "fastdeploy-ext ser
             emulation = emulated_backends(envs.FD_EMULATE.get())
         except ValueError as e:
             raise CliError(str(e)) from None
+        shared_args.setup_logging(ns.log_file)
         with emulation:     # FD_EMULATE=metax: the backend's own fakes, as for every other command
             return run_server(ns)
     except CliError as e:

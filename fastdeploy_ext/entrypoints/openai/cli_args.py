@@ -75,6 +75,7 @@ class ServerConfig:
     media_fetch: bool = True
     allowed_media_domains: tuple[str, ...] | None = None
     allow_private_media_fetch: bool = False
+    log_stats_interval: float = 10.0   # seconds between stats lines (request_log.py); 0: none
 
 
 def _positive(kind):
@@ -126,7 +127,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port (it is always on the main port too)")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send as `model` (default: the --model path, or 'dummy')")
+                   help="model name(s) clients may send as `model`, the first one answered back and listed "
+                        "first (default: the --model path and its directory name, or 'dummy')")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $FD_API_KEY, then $VLLM_API_KEY; "
                         "never logged)")
@@ -159,6 +161,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='engine repetition-loop guard settings, JSON, e.g. \'{"enabled": true, "max_period": 64, '
                         '"min_repeats": 8, "min_span": 128}\'')
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="must be 1 (one device per server)")
+    g.add_argument("--log-file", default=None, metavar="FILE",
+                   help="also append every log line (start-up, access lines, stats lines) to FILE")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between the stats lines (throughput, running/waiting, KV usage); 0: none")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -206,7 +212,21 @@ def redact_argv(tokens: list[str]) -> list[str]:
     return out
 
 
-def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> ServerConfig:
+def default_served_names(model_dir: str | None) -> tuple[str, ...]:
+    """The names a client may send when --served-model-name is not given: the --model path as
+    typed (vLLM's default) and the directory's own name (`/models/PaddleOCR-VL-0.9B` ->
+    `PaddleOCR-VL-0.9B`, what PaddleX's pipeline config sends); `dummy` for random weights."""
+    if not model_dir:
+        return ("dummy",)
+    base = os.path.basename(os.path.normpath(model_dir))
+    return (model_dir,) if base in ("", model_dir) else (model_dir, base)
+
+
+def server_config_from_args(ns: argparse.Namespace, default_model_names: tuple[str, ...]) -> ServerConfig:
+    if isinstance(default_model_names, str):
+        default_model_names = (default_model_names,)
+    if ns.log_stats_interval < 0:
+        raise CliError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got {ns.log_stats_interval:g}")
     api_key, key_source = resolve_api_key(ns)
     log.info("API key: %s", f"required, from {key_source}" if api_key else f"off ({key_source})")
     if ns.tensor_parallel_size != 1:
@@ -228,7 +248,7 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
         raise CliError(f"--max-inflight-body-bytes {inflight} is below --max-request-body-bytes "
                        f"{ns.max_request_body_bytes}: no request of the maximal size could ever be admitted")
     return ServerConfig(host=ns.host, port=ns.port, metrics_port=ns.metrics_port,
-                        served_model_names=tuple(ns.served_model_name or [default_model_name]),
+                        served_model_names=tuple(dict.fromkeys(ns.served_model_name or default_model_names)),
                         api_key=api_key, request_timeout=ns.request_timeout,
                         allowed_local_media_path=media_root, max_concurrency=ns.max_concurrency,
                         max_body_bytes=ns.max_request_body_bytes, media_fetch_timeout=ns.media_fetch_timeout,
@@ -236,7 +256,8 @@ def server_config_from_args(ns: argparse.Namespace, default_model_name: str) -> 
                         max_inflight_body_bytes=inflight, header_timeout=ns.header_timeout,
                         body_timeout=ns.body_timeout, media_fetch=ns.media_fetch == "on",
                         allowed_media_domains=_domains(ns.allowed_media_domains),
-                        allow_private_media_fetch=ns.allow_private_media_fetch)
+                        allow_private_media_fetch=ns.allow_private_media_fetch,
+                        log_stats_interval=ns.log_stats_interval)
 
 
 def _domains(names: list[str] | None) -> tuple[str, ...] | None:

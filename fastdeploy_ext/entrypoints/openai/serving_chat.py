@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from ...engine.errors import EngineDead, InvalidRequest, RequestFailed
 from ...engine.sampling_params import RepetitionGuard, SamplingParams
-from . import protocol
+from . import protocol, request_log
 from .errors import APIError, bad_request, server_stopping
 
 log = logging.getLogger("fastdeploy_ext.server")
@@ -300,6 +300,8 @@ class ChatHandler:
                 m.vision.observe(pm.vision_s)
         m.request_success.labels(name).inc()
         m.outcome("ok")
+        request_log.log_access(out.request_id, 200, n_prompt, n_out, None if clock.first is None else clock.first - t0,
+                               time.monotonic() - t0, out.finish_reason)
 
     def _logprobs(self, req, records) -> dict | None:
         if not req.logprobs:
@@ -364,6 +366,8 @@ class ChatHandler:
         finally:
             if status != "ok":
                 self.ctx.metrics.outcome(status)
+                request_log.log_access(run.rid, {"timeout": 504, "error": 500}.get(status, 499),
+                                       e2e_s=time.monotonic() - t0, finish=status)
             run.close()
 
 
