@@ -96,3 +96,26 @@ def test_generate_with_dummy_weights_needs_no_model_dir(refs, tmp_path):
     ids = obj["prompt_token_ids"]
     start, end = ids.index(101305), ids.index(101306)
     assert ids[start + 1:end] == [100295] * (h * w // 4) and ids[0] == 1
+
+
+def test_generate_reports_a_failed_image_alone_and_exits_1(refs, monkeypatch, capsys):
+    """One image's request fails in the engine (its output step raises): the other image is still
+    printed, the failed one is a line on stderr naming it, and the exit status says so."""
+    from fastdeploy_ext.engine.output_processor import OutputProcessor
+    imgs = refs.files("images")
+    real = OutputProcessor.append_token
+
+    def append_token(self, seq, *a, **kw):
+        if seq.prompt.images and seq.prompt.images[0].source == str(imgs[1]):
+            raise RuntimeError("injected output failure")
+        return real(self, seq, *a, **kw)
+    monkeypatch.setattr(OutputProcessor, "append_token", append_token)
+    argv = ["generate", "--model", str(refs.path("tiny_vl")), "--image", str(imgs[0]), "--image", str(imgs[1]),
+            "--prompt", "OCR:", "--max-tokens", "4", "--ignore-eos", "--temperature", "0", "--dtype", "float32",
+            "--json", *SMALL]
+    assert cli_mod.main(argv) == 1
+    out, err = capsys.readouterr()
+    objs = [json.loads(line) for line in out.strip().splitlines()]
+    assert [o["source"] for o in objs] == [str(imgs[0])]
+    assert objs[0]["token_ids"] == refs.json("generate_greedy")["token_ids"][0][:4]
+    assert f"error: {imgs[1]}: " in err and "injected output failure" in err

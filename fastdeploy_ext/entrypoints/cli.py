@@ -101,7 +101,7 @@ def cmd_encode(args) -> int:
     processor = ImageProcessor(pcfg)
     try:   # images first: a bad file fails fast, before the model is loaded
         # a path, a file:// path or a data: URL (fastdeploy_ext/inputs), named by its path
-        labels = ["<data URL>" if p.startswith("data:") else p for p in args.image]
+        labels = [source_label(p) for p in args.image]
         images = [processor.preprocess(resolve_source(p, lb), lb) for p, lb in zip(args.image, labels)]
     except ImageInputError as e:
         raise CliError(str(e)) from None
@@ -163,16 +163,28 @@ def cmd_generate(args) -> int:
         raise CliError(str(e)) from None
     finally:
         llm.shutdown()
+    failed = 0
     for path, out in zip(images, outs):
         o = out.outputs[0]
+        if o.finish_reason == "error":      # this image alone failed in the engine; the others are printed
+            failed += 1
+            print(f"fastdeploy-ext generate: error: {source_label(path)}: {out.error}", file=sys.stderr)
+            continue
         if args.json:
-            print(json.dumps({"source": "<data URL>" if path.startswith("data:") else path, "text": o.text,
+            print(json.dumps({"source": source_label(path), "text": o.text,
                               "token_ids": o.token_ids, "prompt_token_ids": out.prompt_token_ids}), flush=True)
         else:
             print(o.text, flush=True)
-        log.info("%s: %d prompt + %d generated tokens, finish_reason %s", path, len(out.prompt_token_ids),
-                 len(o.token_ids), o.finish_reason)
-    return 0
+        log.info("%s: %d prompt + %d generated tokens, finish_reason %s", source_label(path),
+                 len(out.prompt_token_ids), len(o.token_ids), o.finish_reason)
+    return 1 if failed else 0
+
+
+def source_label(value: str) -> str:
+    """How an --image value is named in output: its path, or `<data URL>` (whatever its case)
+    rather than megabytes of base64."""
+    from ..inputs.sources import DATA, parse_source
+    return "<data URL>" if parse_source(value).scheme == DATA else value
 
 
 def cmd_bench_generate(args) -> int:
@@ -320,9 +332,11 @@ def expand_image_args(items: list[str]) -> list[str]:
     on nothing); a missing plain path is left to the image loader, which names it."""
     import glob
     import os
+
+    from ..inputs.sources import DATA, FILE, parse_source
     out: list[str] = []
     for item in items:
-        if item.startswith("data:") or item.startswith("file://") or os.path.isfile(item):
+        if parse_source(item).scheme in (DATA, FILE) or os.path.isfile(item):
             out.append(item)        # an existing file is itself even if its name has glob characters
         elif os.path.isdir(item):
             found = sorted(os.path.join(item, n) for n in os.listdir(item)
