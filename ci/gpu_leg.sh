@@ -18,6 +18,10 @@
 #   generate (not in "all")  `bench generate --load-format dummy` bf16: page1 (TTFT, batch-1 decode),
 #                pages64, lines256 vs transformers generate (its own random init: speed, not tokens)
 #                (GENERATE_ARGS narrows it, e.g. "--workloads page1,pages64 --ref-batch 16")
+#   harden (not in "all")  the hardening checks on the dummy 0.9B in bf16: ci/engine_fault_check.py
+#                (the sampler's finite check on CUDA; the killer values while 16 streams run in the
+#                engine) and ci/fuzz_server.py against a real server (FUZZ_REQUESTS, 2000, with
+#                images at 16 in flight, then the killers while 16 streams run)
 #   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +73,15 @@ if [[ " $steps " == *" generate "* ]]; then
   timeout ${GENERATE_TIMEOUT:-540} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 \
     --json-out "$OUT/bench_generate.json" ${GENERATE_ARGS:-} > "$OUT/bench_generate.txt" 2>&1 || rc=1
   grep -E "page1|pages64|lines256|Traceback|Error" "$OUT/bench_generate.txt" | tail -12
+fi
+if [[ " $steps " == *" harden "* ]]; then
+  timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \
+    > "$OUT/engine_fault_check.txt" 2>&1 || rc=1
+  grep -E "^(PASS|FAIL)|Traceback|Error" "$OUT/engine_fault_check.txt" | tail -12
+  timeout ${FUZZ_TIMEOUT:-330} python3 ci/fuzz_server.py --requests ${FUZZ_REQUESTS:-2000} --concurrency 16 --images \
+    --killers --max-seconds ${FUZZ_SECONDS:-300} --model-args "--load-format dummy --device cuda --dtype bfloat16" \
+    --json-out "$OUT/fuzz_server.json" > "$OUT/fuzz_server.txt" 2>&1 || rc=1
+  tail -30 "$OUT/fuzz_server.txt"
 fi
 if [[ " $steps " == *" layers "* ]]; then
   OUT= timeout ${LAYERS_TIMEOUT:-90} python3 -m fastdeploy_ext.bench.layer_ops ${LAYERS_ARGS:-} > "$OUT/layer_ops.txt" 2>&1 || rc=1
