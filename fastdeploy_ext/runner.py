@@ -116,6 +116,14 @@ class DeviceRunner(ABC):
         return None
 
     @classmethod
+    def matmul_kernel_evidence(cls, run: "Callable[[dict[str, str]], str]") -> dict | None:
+        """Which kernels ran a workload's matmuls, read from the vendor library's own log:
+        ``run(env)`` runs the workload in a child process with ``env`` added to its environment
+        and returns the child's output; the backend chooses the variables that turn its log on
+        and parses it. None: this backend reads no such log (``bench gemm`` then says so)."""
+        return None
+
+    @classmethod
     @abstractmethod
     def probe(cls) -> "ProbeResult":
         """Is this device here, and what is it? Never raises."""

@@ -336,3 +336,21 @@ def test_what_the_probe_could_not_find_out_reaches_the_plans_notes(tmp_path, mon
     from backends.cpu_amx import CpuRunner
     plan = CpuRunner.create(PlanRequest(device="cpu"), probe=probe).plan
     assert f"probe: {probe.notes[0]}" in plan.notes
+
+
+def test_bench_gemm_reads_kernel_evidence_through_the_backend_hook():
+    """bench gemm names no vendor library: it hands the backend a `run(env)` and the cpu_amx
+    backend turns oneDNN's log on and parses it; a backend without the hook is said to read none."""
+    from backends.cpu_amx import CpuAmxRunner
+    from fastdeploy_ext.bench.gemm import kernel_evidence
+
+    from fastdeploy_ext.torch_runner import TorchRunner
+    seen = []
+    runner_cls = type("Recorded", (CpuAmxRunner,), {"name": "recorded"})
+    ev = runner_cls.matmul_kernel_evidence(lambda env: seen.append(env) or AMX_VERBOSE)
+    assert seen == [{"ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}]
+    assert ev == {k: getattr(parse_onednn_verbose(AMX_VERBOSE), k) for k in
+                  ("amx_used", "kernels", "isa", "reason", "compute_primitives", "amx_primitives")}
+    plain = type("NoLog", (TorchRunner,), {"name": "nolog"})
+    assert kernel_evidence(plain, 8, "float32", {"qkv": (4, 4)}) == {
+        "amx_used": False, "reason": "the nolog backend reads no kernel log"}

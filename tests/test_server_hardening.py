@@ -170,7 +170,7 @@ def test_client_errors_log_one_warning_line_and_no_traceback(srv):
 # --------------------------------------------------------------------------- API key
 def test_api_key_from_config_wins_and_is_never_logged(srv):
     ok = openai.OpenAI(base_url=srv.url + "/v1", api_key=YAML_KEY, max_retries=0, timeout=60)
-    assert [m.id for m in ok.models.list().data] == [str(tiny_vl())]
+    assert [m.id for m in ok.models.list().data] == [str(tiny_vl()), tiny_vl().name]   # the path and the directory name
     for other in (FD_ENV_KEY, VLLM_ENV_KEY, "wrong"):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key=other, max_retries=0, timeout=60).models.list()

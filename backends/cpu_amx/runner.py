@@ -11,7 +11,7 @@ import torch
 from fastdeploy_ext.plan import CapabilityRow, Decision
 from fastdeploy_ext.torch_runner import TorchRunner
 
-from .probe import probe_cpu, probe_cpu_amx
+from .probe import parse_onednn_verbose, probe_cpu, probe_cpu_amx
 from .threads import configure_threads
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,13 @@ class CpuAmxRunner(TorchRunner):
     @classmethod
     def probe(cls):
         return probe_cpu_amx()
+
+    @classmethod
+    def matmul_kernel_evidence(cls, run):
+        """oneDNN's verbose log (both spellings of its switch, for oneDNN 2.x and 3.x)."""
+        ev = parse_onednn_verbose(run({"ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}))
+        return {"amx_used": ev.amx_used, "kernels": ev.kernels, "isa": ev.isa, "reason": ev.reason,
+                "compute_primitives": ev.compute_primitives, "amx_primitives": ev.amx_primitives}
 
     @classmethod
     def row_matches(cls, row: CapabilityRow, probe) -> bool:

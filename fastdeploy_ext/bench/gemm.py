@@ -81,18 +81,18 @@ def weighted_ceiling(rates: dict[str, float], tokens: int, shapes: dict[str, tup
     return sum(fl.values()) / sum(fl[n] / rates[n] for n in fl)
 
 
-def onednn_evidence(tokens: int, dtype: str, shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> dict:
-    from backends.cpu_amx.probe import parse_onednn_verbose
-    env = dict(os.environ, ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
-    try:
+def kernel_evidence(runner_cls, tokens: int, dtype: str, shapes: dict[str, tuple[int, int]] = LAYER_SHAPES) -> dict:
+    """The backend's own evidence of which kernels ran the encoder's GEMM shapes (on cpu_amx:
+    oneDNN's verbose log of a child process running them)."""
+    def run(env: dict[str, str]) -> str:
         r = subprocess.run([sys.executable, "-c", _CHILD, str(tokens), dtype, json.dumps(list(shapes.values()))],
-                           env=env, capture_output=True,
-                           text=True, timeout=120)
+                           env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
+        return r.stdout + "\n" + r.stderr
+    try:
+        ev = runner_cls.matmul_kernel_evidence(run)
     except Exception as e:  # noqa: BLE001 - evidence is reported, never fatal
         return {"amx_used": False, "reason": f"child failed: {type(e).__name__}: {e}"}
-    ev = parse_onednn_verbose(r.stdout + "\n" + r.stderr)
-    return {"amx_used": ev.amx_used, "kernels": ev.kernels, "isa": ev.isa, "reason": ev.reason,
-            "compute_primitives": ev.compute_primitives, "amx_primitives": ev.amx_primitives}
+    return ev if ev is not None else {"amx_used": False, "reason": f"the {runner_cls.name} backend reads no kernel log"}
 
 
 def _profile_ops(fn) -> dict[str, float]:
@@ -172,7 +172,7 @@ def run_cli(args) -> int:
         for k, v in e["top_ops_ms"].items():
             print(f"    {v:9.2f} ms  {k}")
     if device.type == "cpu":
-        res["onednn"] = onednn_evidence(n_tok, args.dtype, shapes)
+        res["onednn"] = kernel_evidence(cls, n_tok, args.dtype, shapes)
         print(f"  oneDNN on the encoder shapes (M={n_tok}): amx_used={res['onednn']['amx_used']} "
               f"kernels={res['onednn'].get('kernels')}")
     if args.json_out:

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 # the extra of setup.py that installs a module a command imports on first use
 EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "prometheus_client": "serve",
                    "httpx": "serve", "anyio": "serve", "transformers": "test", "openai": "test",
-                   "paddle": "paddle", "triton": "cuda", "pynvml": "cuda"}
+                   "paddle": "paddle", "triton": "cuda"}
 
 
 def _missing_extra(command: str, e: ModuleNotFoundError) -> int:

@@ -14,8 +14,8 @@ id, 0 tokens and ``ttft=-``. Stats line (INFO, logger ``fastdeploy_ext.stats``) 
     preprocessing 0, KV 3.1% (2/64 blocks), GPU busy n/a
 
 Throughputs are deltas of the engine's own token counters over the interval; GPU busy is the
-backend's utilization reader (NVML on CUDA) sampled at the line, ``n/a`` where the backend has
-none (CPU)."""
+backend's utilization reader (the vendor's management library on a GPU) sampled at the line,
+``n/a`` where the backend has none (CPU)."""
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +69,7 @@ def utilization_reader(engine: Any) -> Callable[[], float] | None:
     reader = getattr(runner, "utilization_reader", None)
     try:
         return reader() if reader is not None else None
-    except Exception:  # noqa: BLE001 - no reader is a normal answer (no NVML): the line says n/a
+    except Exception:  # noqa: BLE001 - no reader is a normal answer (no management library): the line says n/a
         return None
 
 
