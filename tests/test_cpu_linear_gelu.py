@@ -44,8 +44,11 @@ def test_bf16_linear_gelu_matches_fp64(approx):
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate=approx)
     got = linear_gelu(x, w, b, approx)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    # one bf16 rounding of the output (the post-op sees the fp32 accumulator): <= 2^-8 relative
-    assert ((got.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3).all()
+    # fused: one bf16 rounding of the output (the post-op sees the fp32 accumulator), <= 2^-8
+    # relative; where this CPU has no post-op (e.g. AVX2-only), ATen rounds the linear's output to
+    # bf16 before the GELU too: two roundings, <= 2^-7
+    rel = 2 ** -8 if USABLE else 2 ** -7
+    assert ((got.double() - ref).abs() <= rel * ref.abs() + 1e-3).all(), WHY
 
 
 def test_the_fused_op_runs_where_this_cpu_has_it():
