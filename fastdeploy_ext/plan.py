@@ -6,9 +6,10 @@ is listed but missing at run time falls back to the next one with the reason rec
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -20,6 +21,50 @@ SWITCHES = ("auto", "on", "off")
 
 class PlanError(ValueError):
     """The requested configuration is impossible on this device; names the capability row."""
+
+
+class _Choice(str, Enum):
+    """A plan value that prints and serialises as its plain name (``host``, ``strided``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class GridSource(_Choice):
+    """Where the vision pass's per-batch metadata is derived."""
+    HOST = "host"          # from the preprocessor's Python ints: no device->host syncs
+    DEVICE = "device"      # from a grid tensor on the device (the reference behaviour)
+
+
+class QkvLayout(_Choice):
+    STRIDED = "strided"    # the kernel reads views of the fused qkv projection
+    DENSE = "dense"
+
+
+# --------------------------------------------------------------- what a model declares
+class ComponentKind(_Choice):
+    """The kernel kinds a model family's components need; the plan resolves one kernel per kind."""
+    VISION_VARLEN_ATTENTION = "vision_varlen_attention"     # packed variable-length images, no cache
+    PAGED_DECODER_ATTENTION = "paged_decoder_attention"     # the decoder over the paged KV cache
+
+
+@dataclass(frozen=True)
+class Component:
+    """A part of a model that needs a kernel chosen for it, with the facts the choice reads."""
+    name: str                          # e.g. "vision.attention"
+    kind: ComponentKind
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int | None = None    # paged decoder attention: heads of the KV cache
+
+
+def component_of(components: Sequence[Component], kind: ComponentKind) -> Component:
+    """The one component of ``kind`` (a family declares each kind at most once today)."""
+    found = [c for c in components if c.kind is kind]
+    if len(found) != 1:
+        raise PlanError(f"the model declares {len(found)} components of kind {kind} "
+                        f"({', '.join(c.name for c in found) or 'none'}); the plan resolves exactly one")
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- the table
@@ -243,13 +288,15 @@ class RunPlan:
     notes: tuple[str, ...] = ()
     graph_split_oversize: bool = False
 
+    components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
+
     @property
     def strided_qkv(self) -> bool:
-        return self.qkv_layout.value == "strided"
+        return self.qkv_layout.value is QkvLayout.STRIDED
 
     @property
     def host_metadata(self) -> bool:
-        return self.grid_thw.value == "host"
+        return self.grid_thw.value is GridSource.HOST
 
     def decisions(self) -> dict[str, Decision]:
         return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
@@ -269,6 +316,9 @@ class RunPlan:
             lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
         if self.attention_fallbacks:
             lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
+        for c in self.components:
+            kv = f", {c.num_kv_heads} KV heads" if c.num_kv_heads is not None else ""
+            lines.append(f"  component {c.name:<17} {c.kind}: {c.num_heads} heads of {c.head_dim}{kv}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -411,21 +461,21 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     if request.qkv_layout == "strided" and blockers:
         raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
     if request.qkv_layout != "auto":
-        qkv = Decision(request.qkv_layout, "requested")
+        qkv = Decision(QkvLayout(request.qkv_layout), "requested")
     elif blockers:
-        qkv = Decision("dense", "; ".join(blockers))
+        qkv = Decision(QkvLayout.DENSE, "; ".join(blockers))
     else:
-        qkv = Decision("strided", f"{chosen.backend} reads strides and no consumer needs dense q/k/v")
+        qkv = Decision(QkvLayout.STRIDED, f"{chosen.backend} reads strides and no consumer needs dense q/k/v")
 
     # grid_thw metadata source
     if request.grid_thw == "host" and not row.host_grid_thw:
         raise PlanError(f"row {row.name} does not support host grid_thw metadata")
     if request.grid_thw != "auto":
-        grid = Decision(request.grid_thw, "requested")
+        grid = Decision(GridSource(request.grid_thw), "requested")
     elif row.host_grid_thw:
-        grid = Decision("host", "host ints from the preprocessor: no device->host syncs")
+        grid = Decision(GridSource.HOST, "host ints from the preprocessor: no device->host syncs")
     else:
-        grid = Decision("device", f"row {row.name} has no host metadata path")
+        grid = Decision(GridSource.DEVICE, f"row {row.name} has no host metadata path")
 
     # graphs
     if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
@@ -439,7 +489,7 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
             raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
                             f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
         graphs = Decision((), f"{chosen.backend} cannot be replayed over padded budgets")
-    elif grid.value != "host":
+    elif grid.value is not GridSource.HOST:
         if gc.use_encoder_cudagraph:
             raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
         graphs = Decision((), "graphs need host metadata")
@@ -489,3 +539,16 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
                    graphs=graphs, fused_layers=fused, text_attention=text_att,
                    kv_block_size=kv_bs, decode_graphs=decode_graphs, notes=tuple(notes),
                    graph_split_oversize=gc.encoder_split_oversize_batches)
+
+
+def resolve_for_components(row: CapabilityRow, request: PlanRequest, components: Sequence[Component], *,
+                           device: str, kernels: Mapping[str, KernelFacts], emulated: bool = False,
+                           row_reason: str = "", text_available: dict[str, tuple[bool, str]] | None = None) -> RunPlan:
+    """The plan for a model's declared components: each kernel kind's choice reads the facts of
+    that kind's component (the vision varlen attention's head_dim, the paged decoder
+    attention's), and the plan records what it was resolved for."""
+    vision = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION)
+    decoder = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION)
+    plan = resolve_plan(row, request, device=device, head_dim=vision.head_dim, kernels=kernels, emulated=emulated,
+                        row_reason=row_reason, text_head_dim=decoder.head_dim, text_available=text_available)
+    return replace(plan, components=tuple(components))

@@ -124,7 +124,7 @@ class LLMEngine:
         from ..runner import create_runner
         runner = create_runner(config.plan)
         runner.load_model(config.model, load_format=config.load_format, model_format=config.model_format,
-                          with_text=True)
+                          with_text=True, model_family=config.model_family)
         report = runner.capture_graphs()          # encoder graphs, as the plan says
         log.info("encoder graphs: %s", f"{report.captured} captured {report.paths}" if report.captured
                  else f"none ({report.reason})")
@@ -134,11 +134,9 @@ class LLMEngine:
 
     @staticmethod
     def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
-        from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
-        pcfg = PreprocessorConfig.from_model_dir(config.model) if config.model else PreprocessorConfig()
         limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
                              max_encoder_patches=config.max_encoder_patches, max_model_len=config.max_model_len)
-        return InputProcessor(ModelPromptBuilder(runner), ImageProcessor(pcfg), limits)
+        return InputProcessor(ModelPromptBuilder(runner), runner.family.image_processor(config.model), limits)
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config
