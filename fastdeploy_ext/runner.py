@@ -179,6 +179,12 @@ class DeviceRunner(ABC):
         """Capture the decode batch-size buckets the plan asks for (after init_kv_cache);
         execute() then replays them for decode steps. A no-op report when the plan says off."""
 
+    def device_memory(self) -> "tuple[int, int] | None":
+        """(free, total) bytes of the device now, or None when the backend cannot tell: the
+        engine then sizes the KV pool from --kv-cache-memory and says so. Backends implement it
+        with their device's allocator or management library."""
+        return None
+
     def utilization_reader(self) -> "Callable[[], float] | None":
         """A callable returning the device's current busy % (sampled by benchmarks), or None when
         the backend cannot tell. Backends implement it with their vendor's management library."""
