@@ -1,7 +1,9 @@
-"""The house's layout: no import circles among the modules of fastdeploy_ext or backends, and
-benchmarks never import the command line (the checker itself is shown to fire)."""
+"""The house's layout: no import circles among the modules of fastdeploy_ext or backends,
+benchmarks never import the command line, no module outside models/<family>/ imports a family,
+and no new CUDA branch outside backends/ (each checker is shown to fire on a planted violation)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,48 @@ def test_family_import_check_fires_on_a_planted_import(tmp_path, planted):
     bad = _family_violations([pkg])
     assert list(bad) == ["fastdeploy_ext.torch_runner"], bad          # the family's own import is fine
     assert all(n.startswith("fastdeploy_ext.models.paddleocr_vl") for n in bad["fastdeploy_ext.torch_runner"])
+
+
+# --------------------------------------------------------------- CUDA branches live in backends
+CUDA_BRANCH = re.compile(r"""\.type\s*[!=]=\s*["']cuda["']|torch\.cuda\.""")
+# where a CUDA test belongs: the kernels, the CUDA sync-debug mode, the CUDA-only benches
+CUDA_ALLOWED = ("fastdeploy_ext/ops/", "fastdeploy_ext/sync_guard.py", "fastdeploy_ext/bench/attention.py",
+                "fastdeploy_ext/bench/layer_ops.py")
+# still to move behind backend hooks, with their number of sites: the counts may only go down.
+# The modules owned elsewhere (benches, the command line) and the conformance suite are listed whole.
+CUDA_REMAINING = {"fastdeploy_ext/engine/llm_engine.py": 2, "fastdeploy_ext/torch_runner.py": 7,
+                  "fastdeploy_ext/text_runner.py": 13, "fastdeploy_ext/graphs.py": 16,
+                  "fastdeploy_ext/memory_profile.py": 12, "fastdeploy_ext/transfer.py": 1,
+                  "fastdeploy_ext/fallbacks.py": 1, "fastdeploy_ext/platforms.py": 2}
+CUDA_REMAINING_WHOLE = ("fastdeploy_ext/bench/", "fastdeploy_ext/entrypoints/cli.py", "fastdeploy_ext/conformance/")
+
+
+def cuda_branch_sites(text: str) -> int:
+    return sum(1 for line in text.splitlines() if CUDA_BRANCH.search(line) and not line.lstrip().startswith("#"))
+
+
+def _cuda_violations(root: Path) -> dict[str, int]:
+    out = {}
+    for f in sorted((root / "fastdeploy_ext").rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith(CUDA_ALLOWED) or rel.startswith(CUDA_REMAINING_WHOLE):
+            continue
+        n = cuda_branch_sites(f.read_text())
+        if n > CUDA_REMAINING.get(rel, 0):
+            out[rel] = n
+    return out
+
+
+def test_no_new_cuda_branch_outside_backends():
+    assert not _cuda_violations(REPO), _cuda_violations(REPO)
+    # the KV pool's free-memory query is the backends' hook (DeviceRunner.device_memory)
+    assert "mem_get_info" not in (REPO / "fastdeploy_ext/engine/llm_engine.py").read_text()
+
+
+@pytest.mark.parametrize("planted", ['    if x.device.type == "cuda":\n        pass\n',
+                                     "    free, total = torch.cuda.mem_get_info(d)\n"])
+def test_cuda_branch_check_fires_on_a_planted_branch(tmp_path, planted):
+    for rel in ("fastdeploy_ext/engine/llm_engine.py", "fastdeploy_ext/runner.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((REPO / rel).read_text() + "\n\ndef planted(x, d):\n" + planted)
+    assert set(_cuda_violations(tmp_path)) == {"fastdeploy_ext/engine/llm_engine.py", "fastdeploy_ext/runner.py"}
