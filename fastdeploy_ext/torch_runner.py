@@ -235,12 +235,6 @@ class TorchRunner(DeviceRunner):
         return self.text
 
     # ------------------------------------------------------------ generation (the engine's side)
-    def build_prompt(self, *, messages=None, prompt=None, image_grids=()):
-        """Token ids (placeholders expanded), rope positions [P, n] and rope_delta."""
-        self._require_text()
-        return self.family.build_prompt(self.tokenizer, self.chat_template, self.cfg, messages=messages,
-                                        prompt=prompt, image_grids=image_grids)
-
     def kv_cache_spec(self) -> KVCacheSpec:
         return self._require_text().kv_cache_spec()
 
