@@ -152,5 +152,5 @@ def test_model_family_flag_reaches_the_model_source():
     import argparse
     p = argparse.ArgumentParser()
     A.add_model_args(p)
-    assert A.model_source_from_args(p.parse_args(["--model", "/m", "--model-family", "toy_vl"])).model_family == "toy_vl"
+    assert A.model_source_from_args(p.parse_args(["--model", str(TINY), "--model-family", "toy_vl"])).model_family == "toy_vl"
     assert A.model_source_from_args(p.parse_args(["--load-format", "dummy"])).model_family is None
