@@ -154,3 +154,15 @@ def test_model_family_flag_reaches_the_model_source():
     A.add_model_args(p)
     assert A.model_source_from_args(p.parse_args(["--model", str(TINY), "--model-family", "toy_vl"])).model_family == "toy_vl"
     assert A.model_source_from_args(p.parse_args(["--load-format", "dummy"])).model_family is None
+
+
+def test_a_broken_family_is_skipped_with_a_warning(monkeypatch, caplog):
+    from importlib.metadata import EntryPoint
+    broken = EntryPoint("broken_vl", "no_such_module_for_fdx:Family", registry.ENTRY_POINT_GROUP)
+    # installed metadata without the built-in's entry point, and nothing loaded yet: the fallback table serves it
+    monkeypatch.setattr(registry, "entry_points", lambda group: [broken] if group == registry.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        families = available_families()
+    assert "broken_vl" not in families and families["paddleocr_vl"] is PaddleOCRVLFamily
+    assert "model family broken_vl (no_such_module_for_fdx:Family) failed to load" in caplog.text
