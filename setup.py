@@ -56,6 +56,8 @@ setup(
             "cpu_amx=backends.cpu_amx:CpuAmxRunner",
             "cpu=backends.cpu_amx:CpuRunner",
         ],
+        # model families (fastdeploy_ext/models/registry.py): built-ins register as out-of-tree ones do
+        "fastdeploy_ext.models": ["paddleocr_vl=fastdeploy_ext.models.paddleocr_vl.family:PaddleOCRVLFamily"],
         "pytest11": ["fastdeploy_ext_conformance=fastdeploy_ext.conformance.plugin"],
     },
 )

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .models.paddleocr_vl.metadata import VisionMetadata
 from .plan import EncoderGraphPath
 from .runner import GraphReport
 
@@ -43,36 +42,27 @@ class GraphStats:
 
 
 class _BudgetGraph:
-    """Static buffers + one captured graph for a budget of `tokens` patches."""
+    """One captured graph for a budget of `tokens` patches over the family's static buffers
+    (what the budget holds and yields is the family's: ModelFamily.graph_buffers)."""
 
     def __init__(self, runner, tokens: int, max_segments: int):
-        m = runner.model
-        dev, dt = runner.device, runner.dtype
-        vc = runner.cfg.vision
         self.tokens = tokens
-        self.pixels = torch.zeros(tokens, vc.num_channels * vc.patch_size ** 2, device=dev, dtype=dt)
-        self.pos = torch.zeros(tokens, vc.hidden_size, device=dev, dtype=dt)
-        self.cos = torch.ones(tokens, vc.head_dim, device=dev, dtype=torch.float32)
-        self.sin = torch.zeros(tokens, vc.head_dim, device=dev, dtype=torch.float32)
-        self.merge_index = torch.arange(tokens, device=dev)
         # the attention state the captured launch reads; unused entries are no-ops (each still
         # costs a little: docs/PERFORMANCE.md, "one 8x40 block")
-        self.attention_state = runner.execution.attention.graph_state(tokens, max_segments, dev)
-        self.meta = VisionMetadata(
-            num_tokens=tokens, seq_lens=[tokens], cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32),
-            max_seqlen=tokens, cos=self.cos, sin=self.sin, pos_embed=self.pos, merge_index=self.merge_index,
-            out_split_sizes=[tokens // 4], grids=[], source="graph", attention_state=self.attention_state.state)
-        self.model, self.execution = m, runner.execution
+        state = runner.execution.attention.graph_state(tokens, max_segments, runner.device)
+        self.buffers = runner.family.graph_buffers(runner.cfg, tokens, state, device=runner.device,
+                                                   dtype=runner.dtype)
+        self.model, self.execution = runner.model, runner.execution
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
     def _forward(self):
-        return self.model(self.pixels, self.meta, self.execution)
+        return self.model(self.buffers.pixels, self.buffers.meta, self.execution)
 
     def eager(self, n: int) -> torch.Tensor:
         """The captured forward run eagerly on the static buffers as the last replay left them
         (the same padded batch): the conformance suite's bitwise reference for the replay."""
-        return self._forward()[:n // 4]
+        return self._forward()[:self.buffers.outputs(n)]
 
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         # Warm up on a side stream (Triton compiles its kernels for these shapes).
@@ -85,16 +75,10 @@ class _BudgetGraph:
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.out = self._forward()
 
-    def replay(self, pixels: torch.Tensor, meta: VisionMetadata) -> torch.Tensor:
-        n = meta.num_tokens
-        self.pixels[:n].copy_(pixels)
-        self.pos[:n].copy_(meta.pos_embed)
-        self.cos[:n].copy_(meta.cos)
-        self.sin[:n].copy_(meta.sin)
-        self.merge_index[:n].copy_(meta.merge_index)
-        self.attention_state.load(meta.attention_state)
+    def replay(self, pixels: torch.Tensor, meta) -> torch.Tensor:
+        self.buffers.load(pixels, meta)
         self.graph.replay()
-        return self.out[:n // 4]
+        return self.out[:self.buffers.outputs(meta.num_tokens)]
 
 
 def pack_groups(grids: list[tuple[int, int, int]], paths: tuple[EncoderGraphPath, ...]

@@ -6,9 +6,10 @@ is listed but missing at run time falls back to the next one with the reason rec
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import yaml
 
@@ -20,6 +21,50 @@ SWITCHES = ("auto", "on", "off")
 
 class PlanError(ValueError):
     """The requested configuration is impossible on this device; names the capability row."""
+
+
+class _Choice(str, Enum):
+    """A plan value that prints and serialises as its plain name (``host``, ``strided``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class GridSource(_Choice):
+    """Where the vision pass's per-batch metadata is derived."""
+    HOST = "host"          # from the preprocessor's Python ints: no device->host syncs
+    DEVICE = "device"      # from a grid tensor on the device (the reference behaviour)
+
+
+class QkvLayout(_Choice):
+    STRIDED = "strided"    # the kernel reads views of the fused qkv projection
+    DENSE = "dense"
+
+
+# --------------------------------------------------------------- what a model declares
+class ComponentKind(_Choice):
+    """The kernel kinds a model family's components need; the plan resolves one kernel per kind."""
+    VISION_VARLEN_ATTENTION = "vision_varlen_attention"     # packed variable-length images, no cache
+    PAGED_DECODER_ATTENTION = "paged_decoder_attention"     # the decoder over the paged KV cache
+
+
+@dataclass(frozen=True)
+class Component:
+    """A part of a model that needs a kernel chosen for it, with the facts the choice reads."""
+    name: str                          # e.g. "vision.attention"
+    kind: ComponentKind
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int | None = None    # paged decoder attention: heads of the KV cache
+
+
+def component_of(components: Sequence[Component], kind: ComponentKind) -> Component:
+    """The one component of ``kind`` (a family declares each kind at most once today)."""
+    found = [c for c in components if c.kind is kind]
+    if len(found) != 1:
+        raise PlanError(f"the model declares {len(found)} components of kind {kind} "
+                        f"({', '.join(c.name for c in found) or 'none'}); the plan resolves exactly one")
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- the table
@@ -243,13 +288,15 @@ class RunPlan:
     notes: tuple[str, ...] = ()
     graph_split_oversize: bool = False
 
+    components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
+
     @property
     def strided_qkv(self) -> bool:
-        return self.qkv_layout.value == "strided"
+        return self.qkv_layout.value is QkvLayout.STRIDED
 
     @property
     def host_metadata(self) -> bool:
-        return self.grid_thw.value == "host"
+        return self.grid_thw.value is GridSource.HOST
 
     def decisions(self) -> dict[str, Decision]:
         return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
@@ -269,6 +316,9 @@ class RunPlan:
             lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
         if self.attention_fallbacks:
             lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
+        for c in self.components:
+            kv = f", {c.num_kv_heads} KV heads" if c.num_kv_heads is not None else ""
+            lines.append(f"  component {c.name:<17} {c.kind}: {c.num_heads} heads of {c.head_dim}{kv}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -340,6 +390,150 @@ def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text_
     return Decision(tuple(gc.cudagraph_capture_sizes), why)
 
 
+@dataclass(frozen=True)
+class _VisionKernels:
+    """The row's vision attention entries as this device sees them (facts + presence)."""
+    row: CapabilityRow
+    kernels: Mapping[str, KernelFacts]
+    head_dim: int
+    dtype: str
+
+    MISSING: ClassVar[KernelFacts] = KernelFacts(False, False, (0, 0), False, "not registered")
+
+    def facts(self, e: AttentionEntry) -> KernelFacts:
+        return self.kernels.get(e.backend, self.MISSING)
+
+    def usable(self, e: AttentionEntry) -> str | None:
+        f = self.facts(e)
+        if e.backend in self.kernels and not f.head_dims[0] <= self.head_dim <= f.head_dims[1]:
+            return f"head_dim {self.head_dim} outside {list(f.head_dims)}"
+        if self.dtype not in e.dtypes:
+            return f"dtype {self.dtype} not in {list(e.dtypes)}"
+        return None if f.present else f"kernel unavailable: {f.reason}"
+
+
+def resolve_dtype(row: CapabilityRow, requested: str) -> Decision:
+    if requested == "auto":
+        return Decision(row.default_dtype, f"default of row {row.name}")
+    if requested in row.dtypes:
+        return Decision(requested, "requested")
+    raise PlanError(f"row {row.name} does not support dtype {requested}; it supports {', '.join(row.dtypes)}")
+
+
+def resolve_vision_attention(vk: _VisionKernels, request: PlanRequest, notes: list[str]
+                             ) -> tuple[AttentionEntry, Decision, tuple[str, ...]]:
+    """The vision varlen attention backend: the row's preference list filtered by head_dim,
+    dtype and presence (graph-safe first when encoder graphs are requested); the fallbacks."""
+    row, gc = vk.row, request.graph_config
+    if request.attention_backend != "auto":
+        e = _forced_entry(row, row.attention, request.attention_backend, "attention backend", vk.usable)
+        return e, Decision(e.backend, "requested"), ()
+    candidates = []
+    for e in row.attention:
+        why = vk.usable(e)
+        if why:
+            notes.append(f"attention {e.backend} skipped: {why}; falling back")
+        else:
+            candidates.append(e)
+    if not candidates:
+        raise PlanError(f"row {row.name}: no attention backend can run here ({'; '.join(notes)})")
+    chosen = candidates[0]
+    reason = f"first usable in row {row.name} preference order"
+    graph_safe = [e for e in candidates if vk.facts(e).graph_safe]
+    if gc.use_encoder_cudagraph and not vk.facts(chosen).graph_safe and graph_safe:
+        # graphs explicitly requested (e.g. the MetaX opt-in): the replay needs a fixed grid
+        chosen = graph_safe[0]
+        reason = f"encoder graphs requested: first graph-safe backend of row {row.name}"
+    return chosen, Decision(chosen.backend, reason), tuple(e.backend for e in candidates if e is not chosen)
+
+
+def resolve_qkv_layout(vk: _VisionKernels, chosen: AttentionEntry, requested: str,
+                       consumers_needing_dense: tuple[str, ...]) -> Decision:
+    row = vk.row
+    blockers = []
+    if not vk.facts(chosen).reads_strides:
+        blockers.append(f"{chosen.backend} does not read strided q/k/v")
+    elif chosen.reads_strides is False:
+        blockers.append(f"{chosen.backend}'s strided loads are not verified on row {row.name}")
+    blockers += [f"{c} needs dense q/k/v" for c in consumers_needing_dense]
+    if requested == "strided" and blockers:
+        raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
+    if requested != "auto":
+        return Decision(QkvLayout(requested), "requested")
+    if blockers:
+        return Decision(QkvLayout.DENSE, "; ".join(blockers))
+    return Decision(QkvLayout.STRIDED, f"{chosen.backend} reads strides and no consumer needs dense q/k/v")
+
+
+def resolve_grid_source(row: CapabilityRow, requested: str) -> Decision:
+    if requested == "host" and not row.host_grid_thw:
+        raise PlanError(f"row {row.name} does not support host grid_thw metadata")
+    if requested != "auto":
+        return Decision(GridSource(requested), "requested")
+    if row.host_grid_thw:
+        return Decision(GridSource.HOST, "host ints from the preprocessor: no device->host syncs")
+    return Decision(GridSource.DEVICE, f"row {row.name} has no host metadata path")
+
+
+def resolve_encoder_graphs(vk: _VisionKernels, chosen: AttentionEntry, grid: Decision,
+                           gc: GraphOptimizationConfig) -> Decision:
+    row = vk.row
+    if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
+    want = row.graphs_default if gc.use_encoder_cudagraph is None else gc.use_encoder_cudagraph
+    graph_safe = [e for e in row.attention if vk.facts(e).graph_safe and not vk.usable(e)]
+    if not want:
+        return Decision((), "off by default on row " + row.name if gc.use_encoder_cudagraph is None
+                        else "use_encoder_cudagraph=false")
+    if not vk.facts(chosen).graph_safe:
+        if gc.use_encoder_cudagraph:
+            raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
+                            f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
+        return Decision((), f"{chosen.backend} cannot be replayed over padded budgets")
+    if grid.value is not GridSource.HOST:
+        if gc.use_encoder_cudagraph:
+            raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
+        return Decision((), "graphs need host metadata")
+    return Decision(tuple(gc.encoder_graph_paths),
+                    "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
+
+
+def resolve_fused_layers(row: CapabilityRow, requested: str, kernels: Mapping[str, KernelFacts],
+                         notes: list[str]) -> Decision:
+    """Fused residual/bias/LayerNorm + rotary passes (Triton) and the GEMM's GELU epilogue."""
+    if requested == "on" and not row.fused_supported:
+        raise PlanError(f"row {row.name} does not support fused layers (they need Triton on CUDA)")
+    # the fused passes are Triton kernels: usable exactly where the Triton attention kernel is
+    triton = kernels.get("triton_varlen")
+    ok, why = (triton.present, triton.reason) if triton else (False, "triton_varlen not registered")
+    if requested == "off":
+        return Decision(False, "requested")
+    if requested == "on":
+        if not ok:
+            raise PlanError(f"row {row.name}: fused layers need Triton: {why}")
+        return Decision(True, "requested")
+    if not row.fused_default:
+        return Decision(False, f"off by default on row {row.name}")
+    if not ok:
+        notes.append(f"fused layers skipped: {why}")
+        return Decision(False, f"Triton unusable here: {why}")
+    return Decision(True, f"default of row {row.name}")
+
+
+def _paged_availability(device: str) -> dict[str, tuple[bool, str]]:
+    """The text decoder's paged backends probed on ``device`` (a name torch does not know: only
+    the portable backend)."""
+    import torch
+
+    from .ops.attention.paged import PAGED_ATTENTION_BACKENDS
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    return {n: b.available(dev) if dev is not None else (n == "sdpa_paged", f"device {device!r} is unknown to torch")
+            for n, b in PAGED_ATTENTION_BACKENDS.items()}
+
+
 def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_dim: int,
                  kernels: Mapping[str, KernelFacts], emulated: bool = False,
                  consumers_needing_dense: tuple[str, ...] = (), row_reason: str = "",
@@ -347,145 +541,39 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     """``kernels``: vision backend name -> its facts and presence on this device (from the
     backend objects: ops.attention.varlen.kernel_facts); a listed backend missing there is
     unavailable. ``text_available`` the same for the text decoder's paged backends (None: probe
-    them here on ``device``).
+    them here on ``device``). ``head_dim`` / ``text_head_dim``: the facts of the vision varlen and
+    paged decoder attention components (resolve_for_components reads them from a family's).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
     contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
     request.validate()
-    notes: list[str] = []
-    if row_reason:
-        notes.append(f"row {row.name}: {row_reason}")
-
-    # dtype
-    if request.dtype == "auto":
-        dtype = Decision(row.default_dtype, f"default of row {row.name}")
-    elif request.dtype in row.dtypes:
-        dtype = Decision(request.dtype, "requested")
-    else:
-        raise PlanError(f"row {row.name} does not support dtype {request.dtype}; it supports {', '.join(row.dtypes)}")
-
-    # attention backend: the row's preference list, filtered by head dim, dtype and presence
-    missing = KernelFacts(False, False, (0, 0), False, "not registered")
-
-    def facts(e: AttentionEntry) -> KernelFacts:
-        return kernels.get(e.backend, missing)
-
-    def usable(e: AttentionEntry) -> str | None:
-        f = facts(e)
-        if e.backend in kernels and not f.head_dims[0] <= head_dim <= f.head_dims[1]:
-            return f"head_dim {head_dim} outside {list(f.head_dims)}"
-        if dtype.value not in e.dtypes:
-            return f"dtype {dtype.value} not in {list(e.dtypes)}"
-        return None if f.present else f"kernel unavailable: {f.reason}"
-
+    notes: list[str] = [f"row {row.name}: {row_reason}"] if row_reason else []
     gc = request.graph_config
-    if request.attention_backend != "auto":
-        e = _forced_entry(row, row.attention, request.attention_backend, "attention backend", usable)
-        chosen, att_reason, fallbacks = e, "requested", ()
-    else:
-        candidates = []
-        for e in row.attention:
-            why = usable(e)
-            if why:
-                notes.append(f"attention {e.backend} skipped: {why}; falling back")
-            else:
-                candidates.append(e)
-        if not candidates:
-            raise PlanError(f"row {row.name}: no attention backend can run here ({'; '.join(notes)})")
-        chosen = candidates[0]
-        att_reason = f"first usable in row {row.name} preference order"
-        graph_safe = [e for e in candidates if facts(e).graph_safe]
-        if gc.use_encoder_cudagraph and not facts(chosen).graph_safe and graph_safe:
-            # graphs explicitly requested (e.g. the MetaX opt-in): the replay needs a fixed grid
-            chosen = graph_safe[0]
-            att_reason = f"encoder graphs requested: first graph-safe backend of row {row.name}"
-        fallbacks = tuple(e.backend for e in candidates if e is not chosen)
-    attention = Decision(chosen.backend, att_reason)
-
-    # qkv layout
-    blockers = []
-    if not facts(chosen).reads_strides:
-        blockers.append(f"{chosen.backend} does not read strided q/k/v")
-    elif chosen.reads_strides is False:
-        blockers.append(f"{chosen.backend}'s strided loads are not verified on row {row.name}")
-    blockers += [f"{c} needs dense q/k/v" for c in consumers_needing_dense]
-    if request.qkv_layout == "strided" and blockers:
-        raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
-    if request.qkv_layout != "auto":
-        qkv = Decision(request.qkv_layout, "requested")
-    elif blockers:
-        qkv = Decision("dense", "; ".join(blockers))
-    else:
-        qkv = Decision("strided", f"{chosen.backend} reads strides and no consumer needs dense q/k/v")
-
-    # grid_thw metadata source
-    if request.grid_thw == "host" and not row.host_grid_thw:
-        raise PlanError(f"row {row.name} does not support host grid_thw metadata")
-    if request.grid_thw != "auto":
-        grid = Decision(request.grid_thw, "requested")
-    elif row.host_grid_thw:
-        grid = Decision("host", "host ints from the preprocessor: no device->host syncs")
-    else:
-        grid = Decision("device", f"row {row.name} has no host metadata path")
-
-    # graphs
-    if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
-        raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
-    want = row.graphs_default if gc.use_encoder_cudagraph is None else gc.use_encoder_cudagraph
-    graph_safe = [e for e in row.attention if facts(e).graph_safe and not usable(e)]
-    if not want:
-        graphs = Decision((), "off by default on row " + row.name if gc.use_encoder_cudagraph is None else "use_encoder_cudagraph=false")
-    elif not facts(chosen).graph_safe:
-        if gc.use_encoder_cudagraph:
-            raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
-                            f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {chosen.backend}")
-        graphs = Decision((), f"{chosen.backend} cannot be replayed over padded budgets")
-    elif grid.value != "host":
-        if gc.use_encoder_cudagraph:
-            raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
-        graphs = Decision((), "graphs need host metadata")
-    else:
-        graphs = Decision(tuple(gc.encoder_graph_paths),
-                          "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
-
-    # fused residual/bias/LayerNorm + rotary passes (Triton) and the GEMM's GELU epilogue
-    if request.fused_layers == "on" and not row.fused_supported:
-        raise PlanError(f"row {row.name} does not support fused layers (they need Triton on CUDA)")
-    # the fused passes are Triton kernels: usable exactly where the Triton attention kernel is
-    triton = kernels.get("triton_varlen")
-    triton_ok = (triton.present, triton.reason) if triton else (False, "triton_varlen not registered")
-    if request.fused_layers == "off":
-        fused = Decision(False, "requested")
-    elif request.fused_layers == "on":
-        if not triton_ok[0]:
-            raise PlanError(f"row {row.name}: fused layers need Triton: {triton_ok[1]}")
-        fused = Decision(True, "requested")
-    elif not row.fused_default:
-        fused = Decision(False, f"off by default on row {row.name}")
-    elif not triton_ok[0]:
-        fused = Decision(False, f"Triton unusable here: {triton_ok[1]}")
-        notes.append(f"fused layers skipped: {triton_ok[1]}")
-    else:
-        fused = Decision(True, f"default of row {row.name}")
-
-    # the text decoder's paged attention and the KV block size of this row
-    if text_available is None:
-        import torch
-
-        from .ops.attention.paged import PAGED_ATTENTION_BACKENDS
-        try:
-            dev = torch.device(device)
-        except RuntimeError:      # a device name torch does not know: only the portable backend
-            dev = None
-        text_available = {n: b.available(dev) if dev is not None else
-                          (n == "sdpa_paged", f"device {device!r} is unknown to torch")
-                          for n, b in PAGED_ATTENTION_BACKENDS.items()}
+    dtype = resolve_dtype(row, request.dtype)
+    vk = _VisionKernels(row, kernels, head_dim, dtype.value)
+    chosen, attention, fallbacks = resolve_vision_attention(vk, request, notes)
+    qkv = resolve_qkv_layout(vk, chosen, request.qkv_layout, consumers_needing_dense)
+    grid = resolve_grid_source(row, request.grid_thw)
+    graphs = resolve_encoder_graphs(vk, chosen, grid, gc)
+    fused = resolve_fused_layers(row, request.fused_layers, kernels, notes)
     text_att = resolve_text_attention(row, request.text_attention_backend, dtype=dtype.value, head_dim=text_head_dim,
-                                      available=text_available, notes=notes)
-    kv_bs = Decision(row.kv_block_size, f"row {row.name}")
-    decode_graphs = resolve_decode_graphs(row, gc, text_att.value)
-
+                                      available=_paged_availability(device) if text_available is None
+                                      else text_available, notes=notes)
     return RunPlan(runner=row.runner, row=row.name, device=device, emulated=emulated, dtype=dtype,
                    attention=attention, attention_fallbacks=fallbacks, qkv_layout=qkv, grid_thw=grid,
                    graphs=graphs, fused_layers=fused, text_attention=text_att,
-                   kv_block_size=kv_bs, decode_graphs=decode_graphs, notes=tuple(notes),
+                   kv_block_size=Decision(row.kv_block_size, f"row {row.name}"),
+                   decode_graphs=resolve_decode_graphs(row, gc, text_att.value), notes=tuple(notes),
                    graph_split_oversize=gc.encoder_split_oversize_batches)
+
+
+def resolve_for_components(row: CapabilityRow, request: PlanRequest, components: Sequence[Component], *,
+                           device: str, kernels: Mapping[str, KernelFacts], emulated: bool = False,
+                           row_reason: str = "", text_available: dict[str, tuple[bool, str]] | None = None) -> RunPlan:
+    """The plan for a model's declared components: each kernel kind's choice reads the facts of
+    that kind's component (the vision varlen attention's head_dim, the paged decoder
+    attention's), and the plan records what it was resolved for."""
+    vision = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION)
+    decoder = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION)
+    plan = resolve_plan(row, request, device=device, head_dim=vision.head_dim, kernels=kernels, emulated=emulated,
+                        row_reason=row_reason, text_head_dim=decoder.head_dim, text_available=text_available)
+    return replace(plan, components=tuple(components))

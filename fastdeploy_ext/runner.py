@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 import torch
 
+from .models.interface import BatchError
 from .plan import CapabilityRow, PlanRequest, RunPlan
 
 if TYPE_CHECKING:
@@ -33,10 +34,12 @@ MODEL_FORMATS = ("auto", "torch", "paddle")
 @dataclass(frozen=True)
 class ModelSource:
     """Where load_model reads weights from: a model directory, or ``load_format="dummy"``
-    (random weights from the built-in 0.9B config, no directory)."""
+    (random weights from the family's built-in config, no directory). ``model_family`` overrides
+    detection from config.json's model_type (models/registry.py)."""
     model_dir: str | None
     load_format: str = "auto"
     model_format: str = "auto"
+    model_family: str | None = None
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -48,7 +51,8 @@ class ModelSource:
 
     def load_into(self, runner: "DeviceRunner"):
         """runner.load_model with these settings; returns its LoadReport."""
-        return runner.load_model(self.model_dir, load_format=self.load_format, model_format=self.model_format)
+        return runner.load_model(self.model_dir, load_format=self.load_format, model_format=self.model_format,
+                                 model_family=self.model_family)
 
 
 @dataclass
@@ -64,8 +68,7 @@ class ImageBatch:
 
     @classmethod
     def from_images(cls, images: Sequence) -> "ImageBatch":
-        """From ProcessedImage objects (fastdeploy_ext.models.paddleocr_vl.processor)."""
-        from .models.paddleocr_vl.metadata import BatchError
+        """From a family processor's images (each with pixel_values, grid_thw and source)."""
         if not images:
             raise BatchError("empty batch: at least one image is needed")
         return cls(torch.cat([im.pixel_values for im in images]), [tuple(im.grid_thw) for im in images],
@@ -142,9 +145,10 @@ class DeviceRunner(ABC):
     # ----------------------------------------------------------- instance level
     @abstractmethod
     def load_model(self, model_dir: str | None, *, load_format: str = "auto", model_format: str = "auto",
-                   with_text: bool = False):
+                   with_text: bool = False, model_family: str | None = None):
         """Load weights (or random ones for load_format='dummy'); returns a LoadReport. With
-        ``with_text`` also the text decoder, the tokenizer and the chat template."""
+        ``with_text`` also the text decoder, the tokenizer and the chat template. ``model_family``
+        overrides the family detected from the model dir (models/registry.py)."""
 
     @abstractmethod
     def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
@@ -182,6 +186,12 @@ class DeviceRunner(ABC):
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> GraphReport:
         """Capture the decode batch-size buckets the plan asks for (after init_kv_cache);
         execute() then replays them for decode steps. A no-op report when the plan says off."""
+
+    def device_memory(self) -> "tuple[int, int] | None":
+        """(free, total) bytes of the device now, or None when the backend cannot tell: the
+        engine then sizes the KV pool from --kv-cache-memory and says so. Backends implement it
+        with their device's allocator or management library."""
+        return None
 
     def utilization_reader(self) -> "Callable[[], float] | None":
         """A callable returning the device's current busy % (sampled by benchmarks), or None when

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine.step import KVCacheSpec, StepBatch
-from .models.paddleocr_vl.text import ErnieTextModel
+from .models.interface import DecoderModel
 from .ops.attention.paged import KVCache, PagedAttentionBackend, PagedStepMeta
 from .transfer import upload
 
@@ -28,7 +28,7 @@ class StepError(ValueError):
 @dataclass
 class StepInputs:
     token_ids: torch.Tensor          # int64 [T] (device)
-    positions: torch.Tensor          # int64 [3, T] prefill, [T] decode (device)
+    positions: torch.Tensor          # int64 [P, T] prefill (P: the family's position rows), [T] decode (device)
     image_embeds: torch.Tensor | None
     image_index: torch.Tensor | None  # int64 [k] rows of the flat batch
     logits_index: torch.Tensor       # int64 [rows needing logits]
@@ -36,10 +36,11 @@ class StepInputs:
 
 
 class TextStepRunner:
-    def __init__(self, model: ErnieTextModel, backend: PagedAttentionBackend, *, block_size: int,
-                 device: torch.device, dtype: torch.dtype, image_token_id: int):
+    def __init__(self, model: DecoderModel, backend: PagedAttentionBackend, *, block_size: int,
+                 device: torch.device, dtype: torch.dtype, image_token_id: int, position_rows: int = 3):
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device, self.dtype, self.image_token_id = device, dtype, image_token_id
+        self.position_rows = position_rows      # P of a prefill's [P, n] rope positions (3: mrope)
         cfg = model.cfg
         self.scale = cfg.head_dim ** -0.5
         self.kv: KVCache | None = None
@@ -93,8 +94,10 @@ class TextStepRunner:
             if min(table) < 0 or max(table) >= nb:
                 bad = [b for b in table if not 0 <= b < nb]
                 raise StepError(f"seq {s.seq_id}: block ids {bad} outside the pool 0..{nb - 1}")
-            if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (3, n):
-                raise StepError(f"seq {s.seq_id}: rope_positions must be [3, {n}], got {list(s.rope_positions.shape)}")
+            p_rows = self.position_rows
+            if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (p_rows, n):
+                raise StepError(f"seq {s.seq_id}: rope_positions must be [{p_rows}, {n}], "
+                                f"got {list(s.rope_positions.shape)}")
 
     def build_inputs(self, step: StepBatch) -> StepInputs:
         self._check(step)
@@ -119,7 +122,7 @@ class TextStepRunner:
                 if s.rope_positions is not None:
                     pos_parts.append(s.rope_positions.to(torch.int64))
                 else:
-                    pos_parts.append((p + s.rope_delta).expand(3, -1))
+                    pos_parts.append((p + s.rope_delta).expand(self.position_rows, -1))
             else:
                 pos_parts.append(p + s.rope_delta)
             if s.image_embeds is not None:
@@ -169,8 +172,8 @@ class TextStepRunner:
 
 
 class PagedAttention:
-    """The decoder's attention over the paged cache for one step (models/paddleocr_vl/text.py's
-    Attention protocol): the backend's prefill or decode function, the cache writes."""
+    """The decoder's attention over the paged cache for one step, as a family's decoder calls it
+    per layer: the backend's prefill or decode function, the cache writes."""
 
     def __init__(self, runner: TextStepRunner, meta: PagedStepMeta):
         self.kv, self.meta, self.scale = runner.kv, meta, runner.scale

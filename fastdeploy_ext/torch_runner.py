@@ -4,33 +4,35 @@ Backends differ in how they probe, which capability row they pick, which torch d
 on, how they guard against host syncs and how they report memory; the vision path itself is this
 one class, configured by the RunPlan. A vendor runner subclasses it and overrides those hooks —
 never copies it.
+
+The runner is the device; the model is a family (models/interface.py) it holds once loaded and
+reaches only through the family's hooks. The plan is resolved for the family's declared
+components: at creation for the default family's built-in config (what `info` shows without a
+model), and again in load_model for the config actually read, before any weight is loaded.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import ClassVar
+from pathlib import Path
+from typing import Callable, ClassVar
 
 import torch
 
-from . import envs
 from .engine.step import KVCacheSpec, StepBatch
 from .fallbacks import fallback_notes
-from .models.paddleocr_vl.loader import build_vision_model, load_text, load_vision
-from .models.paddleocr_vl.metadata import BatchError, MetadataBuilder, VisionMetadata, validate_grids
-from .models.paddleocr_vl.vision import VisionExecution
 from .capabilities import capability_table
+from .models.interface import CheckpointError, ModelFamily
+from .models.registry import DEFAULT_FAMILY, detect_family, get_family
 from .ops.attention.varlen import get_backend, kernel_facts
 from .ops.attention.paged import PAGED_ATTENTION_BACKENDS, get_paged_backend
-from .plan import CapabilityRow, PlanError, PlanRequest, RunPlan, resolve_plan
+from .plan import CapabilityRow, Component, GridSource, PlanError, PlanRequest, RunPlan, resolve_for_components
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard, cuda_host_sync_guard
 
 log = logging.getLogger(__name__)
 
-RELEASED_HEAD_DIM = 72      # PaddleOCR-VL's vision head_dim; load_model re-checks the checkpoint's
-RELEASED_TEXT_HEAD_DIM = 128    # ERNIE-4.5-0.3B's; likewise re-checked against the text backend
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,9 +65,10 @@ class TorchRunner(DeviceRunner):
         if self.device.type != "cpu":
             return self
         self._require_model()
-        twin = type(self)(dataclasses.replace(self.plan, device="meta"), self.probe_result, self.row)
+        twin = type(self)(dataclasses.replace(self.plan, device="meta"), self.probe_result, self.row,
+                          family=self.family)
         twin.cfg, twin.load_report = self.cfg, self.load_report
-        twin.model = build_vision_model(self.cfg).to(self.dtype).eval()
+        twin.model = self.family.build_vision_model(self.cfg).to(self.dtype).eval()
         twin._init_metadata()
         return twin
 
@@ -106,7 +109,9 @@ class TorchRunner(DeviceRunner):
         return True
 
     @classmethod
-    def create(cls, request: PlanRequest, probe=None, table=None) -> "TorchRunner":
+    def create(cls, request: PlanRequest, probe=None, table=None, family: ModelFamily | None = None) -> "TorchRunner":
+        """The plan is first resolved for ``family``'s built-in config (default: the default
+        family); load_model resolves it again for the model it reads."""
         probe = probe or cls.probe()
         if not probe.present:
             raise RuntimeError(f"{cls.name}: device not present: {probe.reason}")
@@ -115,25 +120,32 @@ class TorchRunner(DeviceRunner):
         if row.source:
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
-        text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
-        plan = resolve_plan(row, request, device=str(device), head_dim=RELEASED_HEAD_DIM, kernels=kernel_facts(device),
-                            emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
-                            text_head_dim=RELEASED_TEXT_HEAD_DIM, text_available=text_available)
-        # no silent fallbacks: what this device will run differently from the plan's decisions
-        plan = dataclasses.replace(plan, notes=plan.notes + fallback_notes(device, bool(plan.fused_layers.value), probe,
-                                                                     DTYPE_BY_NAME[plan.dtype.value]))
-        return cls(plan, probe, row)
+        family = family or get_family(DEFAULT_FAMILY)
 
-    def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None):
+        def plan_for(components: tuple[Component, ...]) -> RunPlan:
+            text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
+            plan = resolve_for_components(row, request, components, device=str(device), kernels=kernel_facts(device),
+                                          emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
+                                          text_available=text_available)
+            # no silent fallbacks: what this device will run differently from the plan's decisions
+            return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
+                device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
+
+        return cls(plan_for(family.components(family.default_config())), probe, row, family=family, replan=plan_for)
+
+    def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None, *, family: ModelFamily | None = None,
+                 replan: "Callable[[tuple[Component, ...]], RunPlan] | None" = None):
         super().__init__(plan, probe)
         self.row = row or capability_table()[plan.row]
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
+        self.family = family or get_family(DEFAULT_FAMILY)
+        self._replan = replan
         self.model = None
         self.cfg = None
         self.load_report = None
-        self.meta_builder: MetadataBuilder | None = None
-        self.execution = VisionExecution(get_backend(plan.attention.value), plan.strided_qkv, bool(plan.fused_layers.value))
+        self.meta_builder = None
+        self._set_execution()
         self.graphs = None
         self.text = None            # TextStepRunner once a text model is loaded
         self.text_model = None
@@ -142,18 +154,27 @@ class TorchRunner(DeviceRunner):
 
     # ------------------------------------------------------------ model
     def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
-                   with_text: bool = False):
-        """Vision encoder + projector, and with ``with_text`` the ERNIE decoder, its tokenizer
-        and chat template (the engine asks for them; `encode` does not)."""
+                   with_text: bool = False, model_family: str | None = None):
+        """The family's vision encoder + projector, and with ``with_text`` its text decoder,
+        tokenizer and chat template (the engine asks for them; `encode` does not). The family is
+        ``model_family`` or the one config.json's model_type names (models/registry.py); the
+        plan is re-resolved for the config read before any weight is."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
         if load_format != "dummy" and model_dir is None:
             raise ValueError("a model directory is needed unless --load-format dummy")
         t0 = time.perf_counter()
         src = None if load_format == "dummy" else model_dir
-        self.model, self.cfg, self.load_report = load_vision(src, dtype=self.dtype, device=self.device,
-                                                             model_format=model_format)
-        self._check_head_dim(self.cfg.vision.head_dim)
+        if src is not None and not Path(src).is_dir():
+            raise CheckpointError(f"{src}: model directory does not exist")
+        choice = detect_family(src, model_family)
+        family = choice.family
+        cfg = family.default_config() if src is None else family.read_config(src)
+        self._plan_for_model(family, cfg)
+        log.info("model family %s (%s)", family.name, choice.reason)
+        self.model, self.load_report = family.load_vision(src, dtype=self.dtype, device=self.device,
+                                                          model_format=model_format, cfg=cfg)
+        self.cfg = cfg
         self._init_metadata()
         if with_text:
             self._load_text(src, model_format)
@@ -161,29 +182,42 @@ class TorchRunner(DeviceRunner):
                  self.dtype, self.device)
         return self.load_report
 
+    def _plan_for_model(self, family: ModelFamily, cfg) -> None:
+        """Resolve the plan for the components of the model about to be loaded (unchanged when
+        they are those the plan was resolved for). A runner built without its resolution inputs
+        (not through create) keeps its plan, and a component outside its kernels' facts is an error."""
+        self.family = family
+        components = family.components(cfg)
+        if components == self.plan.components:
+            return
+        if self._replan is not None:
+            before = self.plan.decisions()
+            self.plan = self._replan(components)
+            changed = [k for k, d in self.plan.decisions().items() if d != before[k]]
+            if changed:
+                log.info("plan re-resolved for the model's components: %s changed", ", ".join(changed))
+            self._set_execution()
+            return
+        self._check_head_dim(components)
+        self.plan = dataclasses.replace(self.plan, components=components)
+
+    def _set_execution(self) -> None:
+        self.execution = self.family.vision_execution(get_backend(self.plan.attention.value), self.plan.strided_qkv,
+                                                      bool(self.plan.fused_layers.value))
+
     def _init_metadata(self) -> None:
         """The metadata builder of the loaded model on this runner's device."""
-        vc = self.cfg.vision
-        self.meta_builder = MetadataBuilder(
-            head_dim=vc.head_dim, rope_theta=vc.rope_theta, merge=vc.spatial_merge_size, side=vc.num_grid_per_side,
-            pos_table=self.model.encoder.position_embedding.detach(), compute_dtype=self.dtype, device=self.device,
-            cache_capacity=envs.FD_POS_EMBED_CACHE_SIZE.get(), attention=self.execution.attention)
+        self.meta_builder = self.family.metadata_builder(self.cfg, self.model, dtype=self.dtype, device=self.device,
+                                                         attention=self.execution.attention)
 
     def _load_text(self, model_dir, model_format: str) -> None:
-        from .models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
         from .text_runner import TextStepRunner
-        self.text_model, _, report = load_text(model_dir, dtype=self.dtype, device=self.device,
-                                               model_format=model_format, cfg=self.cfg)
+        self.text_model, report = self.family.load_text(model_dir, dtype=self.dtype, device=self.device,
+                                                        model_format=model_format, cfg=self.cfg)
         if report.layout != self.load_report.layout:
             raise ValueError(f"{model_dir}: the vision weights are in {self.load_report.layout} layout but the "
                              f"text weights in {report.layout} layout")
-        tc = self.cfg.text
-        entry = {e.backend: e for e in self.row.text_attention}[self.plan.text_attention.value]
-        if not entry.head_dims[0] <= tc.head_dim <= entry.head_dims[1]:
-            raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
-                            f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {tc.head_dim}")
-        self.tokenizer = load_tokenizer(model_dir, self.cfg)
-        self.chat_template = load_chat_template(model_dir)
+        self.tokenizer, self.chat_template = self.family.load_tokenizer(model_dir, self.cfg)
         from .ops.triton import decoder_passes
         # the decoder's Triton passes ride on the plan's fused_layers decision (same kernels' family,
         # same availability: Triton on CUDA); eager ATen elsewhere
@@ -192,7 +226,8 @@ class TorchRunner(DeviceRunner):
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
         self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),
                                    block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,
-                                   image_token_id=self.cfg.image_token_id)
+                                   image_token_id=self.family.image_token_id(self.cfg),
+                                   position_rows=self.family.position_rows)
 
     def _require_text(self):
         if self.text is None:
@@ -200,13 +235,6 @@ class TorchRunner(DeviceRunner):
         return self.text
 
     # ------------------------------------------------------------ generation (the engine's side)
-    def build_prompt(self, *, messages=None, prompt=None, image_grids=()):
-        """Token ids (placeholders expanded), mrope positions [3, n] and rope_delta."""
-        from .models.paddleocr_vl.prompt import build_prompt
-        self._require_text()
-        return build_prompt(self.tokenizer, self.chat_template, self.cfg, messages=messages, prompt=prompt,
-                            image_grids=image_grids)
-
     def kv_cache_spec(self) -> KVCacheSpec:
         return self._require_text().kv_cache_spec()
 
@@ -243,41 +271,37 @@ class TorchRunner(DeviceRunner):
         return GraphReport(captured=len(sizes), paths={"decode": list(sizes)}, capture_seconds=info["seconds"],
                            graph_memory_bytes=info["memory_bytes"], reason=self.plan.decode_graphs.reason)
 
-    def _check_head_dim(self, head_dim: int) -> None:
-        """The plan is resolved before the model is read, for the released head_dim (72); a
-        checkpoint with another head_dim must still fit the chosen kernel."""
+    def _check_head_dim(self, components: tuple[Component, ...]) -> None:
+        """A plan that cannot be re-resolved must still fit the model's components."""
+        from .plan import ComponentKind, component_of
+        head_dim = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION).head_dim
         backend = self.execution.attention
         lo, hi = backend.head_dims
         if not lo <= head_dim <= hi:
             raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
                             f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
+        text_head_dim = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION).head_dim
+        entry = {e.backend: e for e in self.row.text_attention}[self.plan.text_attention.value]
+        if not entry.head_dims[0] <= text_head_dim <= entry.head_dims[1]:
+            raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
+                            f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {text_head_dim}")
 
     def _require_model(self):
         if self.model is None:
             raise RuntimeError("no model loaded: call load_model() first")
 
     # ------------------------------------------------------------ encoding
-    def build_metadata(self, grids: list[tuple[int, int, int]], source: str | None = None) -> VisionMetadata:
-        source = source or self.plan.grid_thw.value
-        if source == "host":
+    def build_metadata(self, grids: list[tuple[int, int, int]], source: GridSource | str | None = None):
+        source = GridSource(source or self.plan.grid_thw.value)
+        if source is GridSource.HOST:
             return self.meta_builder.build_host(grids)
         grid_dev = torch.tensor(grids, dtype=torch.int64).to(self.device)
         return self.meta_builder.build_device(grid_dev)
 
     def check_batch(self, batch: ImageBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         self._require_model()
-        vc = self.cfg.vision
         pv = batch.pixel_values
-        if not isinstance(pv, torch.Tensor):
-            raise BatchError(f"pixel_values must be a torch.Tensor, got {type(pv).__name__}")
-        patch_dim = vc.num_channels * vc.patch_size ** 2
-        if pv.ndim not in (2, 4) or (pv.shape[0] > 0 and pv[0].numel() != patch_dim):
-            raise BatchError(f"pixel_values must be [N, {vc.num_channels}, {vc.patch_size}, {vc.patch_size}] "
-                             f"or [N, {patch_dim}], got {list(pv.shape)}")
-        if not pv.is_floating_point():
-            raise BatchError(f"pixel_values must be floating point, got {pv.dtype}")
-        grids = validate_grids(batch.grid_thw, vc.spatial_merge_size, num_patches=pv.shape[0])
-        return pv, grids
+        return pv, self.family.check_pixels(self.cfg, pv, batch.grid_thw)
 
     def upload_pixels(self, pv: torch.Tensor) -> torch.Tensor:
         if pv.device != self.device and self.device.type == "cuda" and pv.device.type == "cpu":
@@ -293,9 +317,8 @@ class TorchRunner(DeviceRunner):
         validated grids: the hot path benchmarks time."""
         with torch.inference_mode():
             if self.graphs is not None:
-                m2 = self.cfg.vision.spatial_merge_size ** 2
                 out = self.graphs.run(pixels, grids)
-                sizes = [t * h * w // m2 for t, h, w in grids]
+                sizes = self.family.output_sizes(self.cfg, grids)
             else:
                 meta = self.build_metadata(grids)
                 out = self.model(pixels, meta, self.execution)
@@ -307,7 +330,7 @@ class TorchRunner(DeviceRunner):
         lines = [f"runner: {self.name}", f"probe: {self.probe_result.summary()}", self.plan.describe()]
         if self.load_report:
             r = self.load_report
-            lines.append(f"model: {r.model_dir or 'dummy (built-in 0.9B config)'}; layout {r.layout} ({r.layout_reason}); "
-                         f"{r.tensors_loaded} tensors")
+            lines.append(f"model: {self.family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
+                         f"layout {r.layout} ({r.layout_reason}); {r.tensors_loaded} tensors")
         return "\n".join(lines)
 

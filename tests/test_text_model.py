@@ -37,6 +37,11 @@ def refs(dirs):
     return {"tied": load_reference(dirs["tied"]), "untied": load_reference(dirs["untied"])}
 
 
+def build_prompt(r, **kw):
+    """The loaded family's prompt builder, over the runner's tokenizer and chat template."""
+    return r.family.build_prompt(r.tokenizer, r.chat_template, r.cfg, **kw)
+
+
 def make_runner(model_dir, **req):
     cls = get_backend_class("cpu")
     r = cls.create(PlanRequest(device="cpu", dtype="float32", **req))
@@ -73,7 +78,7 @@ def full_logits(runner, ids, positions, image_embeds=None, num_blocks=64, block_
 def test_text_only_logits_match_transformers(runners, refs, kind, ref):
     r = runners[kind]
     assert (r.text_model.lm_head is None) == (kind == "tied")
-    p = r.build_prompt(messages=[{"role": "user", "content": "The quick brown fox, hello page."}])
+    p = build_prompt(r, messages=[{"role": "user", "content": "The quick brown fox, hello page."}])
     assert p.rope_delta == 0 and torch.equal(p.positions, torch.arange(len(p.token_ids)).expand(3, -1))
     got = full_logits(r, p.token_ids, p.positions)
     want = reference_logits(refs[ref], p.token_ids)
@@ -83,7 +88,7 @@ def test_text_only_logits_match_transformers(runners, refs, kind, ref):
 @pytest.mark.parametrize("kind,ref", [("tied", "tied"), ("paddle", "untied")])
 def test_image_prompt_logits_match_transformers(runners, refs, image, kind, ref):
     r = runners[kind]
-    p = r.build_prompt(prompt="ocr", image_grids=[image.grid_thw])
+    p = build_prompt(r, prompt="ocr", image_grids=[image.grid_thw])
     assert p.num_image_tokens == image.grid_thw[1] * image.grid_thw[2] // 4
     feats = r.encode_images(ImageBatch.from_images([image]))[0]
     got = full_logits(r, p.token_ids, p.positions, image_embeds=feats)
@@ -98,7 +103,7 @@ def test_untied_head_is_used(runners, refs):
     """The untied checkpoint's lm_head differs from its embeddings: using the wrong one fails."""
     r = runners["untied"]
     assert not torch.equal(r.text_model.lm_head.weight, r.text_model.embed_tokens.weight)
-    p = r.build_prompt(prompt="Hello")
+    p = build_prompt(r, prompt="Hello")
     h = r.text_model.embed_tokens.weight
     tied_logits = torch.nn.functional.linear(torch.randn(1, h.shape[1]), h)
     assert tied_logits.shape[1] == r.text_model.lm_head.weight.shape[0]
@@ -142,8 +147,8 @@ def _run_paged(r, seqs, chunk, decode_steps, num_blocks=48, seed=0):
 def test_paged_chunked_prefill_and_batched_decode_match_full_forward(runners, refs, image):
     r, ref = runners["tied"], refs["tied"]
     feats = r.encode_images(ImageBatch.from_images([image]))[0]
-    img = r.build_prompt(prompt="Table Recognition:", image_grids=[image.grid_thw])
-    txt = r.build_prompt(prompt="Invoice number 12345, total 67.89 EUR. The quick brown fox.")
+    img = build_prompt(r, prompt="Table Recognition:", image_grids=[image.grid_thw])
+    txt = build_prompt(r, prompt="Invoice number 12345, total 67.89 EUR. The quick brown fox.")
     assert img.rope_delta < 0
     g = torch.Generator().manual_seed(0)
     seqs = []
@@ -166,7 +171,7 @@ def test_decode_rope_position_uses_the_delta(runners, refs, image):
     """Mutation check: decoding at the KV slot instead of slot + rope_delta changes the logits."""
     r, ref = runners["tied"], refs["tied"]
     feats = r.encode_images(ImageBatch.from_images([image]))[0]
-    p = r.build_prompt(prompt="ocr", image_grids=[image.grid_thw])
+    p = build_prompt(r, prompt="ocr", image_grids=[image.grid_thw])
     want = reference_logits(ref, p.token_ids + [7], image.pixel_values, [list(image.grid_thw)])[-1]
     good = _run_paged(r, [(p.token_ids, [7], p.positions, p.rope_delta, feats)], chunk=1000, decode_steps=1)[0][-1]
     bad = _run_paged(r, [(p.token_ids, [7], p.positions, 0, feats)], chunk=1000, decode_steps=1)[0][-1]

@@ -296,16 +296,11 @@ EVIDENCE_TOKENS = 256
 
 
 def encoder_matmul_shapes(tokens: int = EVIDENCE_TOKENS, cfg=None) -> tuple[tuple[int, int, int], ...]:
-    """(m, k, n) of every Linear of the vision encoder + projector (the released 0.9B config by
-    default): patch embedding, qkv, attention output, fc1, fc2, and the projector's two layers
-    (on tokens / merge**2 rows)."""
-    from fastdeploy_ext.models.paddleocr_vl.config import PaddleOCRVLConfig
-    cfg = cfg or PaddleOCRVLConfig()
-    v = cfg.vision
-    h, inter, m2 = v.hidden_size, v.intermediate_size, v.spatial_merge_size ** 2
-    merged = max(1, tokens // m2)
-    return ((tokens, v.num_channels * v.patch_size ** 2, h), (tokens, h, 3 * h), (tokens, h, h),
-            (tokens, h, inter), (tokens, inter, h), (merged, h * m2, h * m2), (merged, h * m2, cfg.text.hidden_size))
+    """(m, k, n) of every GEMM of the default model family's vision encoder (its built-in config
+    unless ``cfg`` is given), as the family declares them (ModelFamily.encoder_matmul_shapes)."""
+    from fastdeploy_ext.models.registry import DEFAULT_FAMILY, get_family
+    family = get_family(DEFAULT_FAMILY)
+    return family.encoder_matmul_shapes(cfg or family.default_config(), tokens)
 
 
 def onednn_amx_evidence(timeout_s: float = 120, max_cpu_isa: str | None = None,

@@ -31,5 +31,8 @@ class CudaRunner(TorchRunner):
                                f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda})")
         return torch.device("cuda", 0)
 
+    def device_memory(self):
+        return torch.cuda.mem_get_info(self.device)
+
     def utilization_reader(self):
         return nvml_utilization_reader(self.device.index or 0)

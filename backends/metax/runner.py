@@ -57,6 +57,10 @@ class MetaxRunner(TorchRunner):
             return torch.device("cpu")
         raise RuntimeError("metax: pymxsml sees a card but torch cannot reach it (is this the MACA torch build?)")
 
+    def device_memory(self):
+        """MACA's torch answers the CUDA query for its card; the emulated (host) device has none."""
+        return torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+
     def memory_stats(self) -> dict:
         stats = super().memory_stats()
         if self.plan.emulated:

@@ -45,6 +45,7 @@ class EngineConfig:
     model: str | None = None
     load_format: str = "auto"
     model_format: str = "auto"
+    model_family: str | None = None            # None: detected from config.json's model_type
     plan: PlanRequest = field(default_factory=PlanRequest)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384

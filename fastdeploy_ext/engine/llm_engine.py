@@ -124,7 +124,7 @@ class LLMEngine:
         from ..runner import create_runner
         runner = create_runner(config.plan)
         runner.load_model(config.model, load_format=config.load_format, model_format=config.model_format,
-                          with_text=True)
+                          with_text=True, model_family=config.model_family)
         report = runner.capture_graphs()          # encoder graphs, as the plan says
         log.info("encoder graphs: %s", f"{report.captured} captured {report.paths}" if report.captured
                  else f"none ({report.reason})")
@@ -134,28 +134,29 @@ class LLMEngine:
 
     @staticmethod
     def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
-        from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
-        pcfg = PreprocessorConfig.from_model_dir(config.model) if config.model else PreprocessorConfig()
         limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
                              max_encoder_patches=config.max_encoder_patches, max_model_len=config.max_model_len)
-        return InputProcessor(ModelPromptBuilder(runner), ImageProcessor(pcfg), limits)
+        return InputProcessor(ModelPromptBuilder(runner), runner.family.image_processor(config.model), limits)
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             blocks, reason = cfg.num_kv_blocks, "num_kv_blocks set explicitly"
         else:
-            device = torch.device(getattr(self.runner, "device", "cpu"))
-            if device.type == "cuda" and cfg.kv_cache_memory is None:
-                free, total = torch.cuda.mem_get_info(device)
+            # the backend's free-memory query (DeviceRunner.device_memory); None: it has none
+            query = getattr(self.runner, "device_memory", None)
+            memory = query() if callable(query) and cfg.kv_cache_memory is None else None
+            if memory is not None:
+                free, total = memory
                 peak = self.runner.profile_peak_memory(cfg.max_num_batched_tokens, cfg.max_encoder_patches)
                 budget = int(free - (1 - cfg.gpu_memory_utilization) * total - peak)
                 reason = (f"free {free / 2**30:.2f} GiB - (1 - {cfg.gpu_memory_utilization}) x total "
                           f"{total / 2**30:.2f} GiB - profiled step peak {peak / 2**30:.2f} GiB")
             else:
                 budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+                backend = getattr(self.runner, "name", type(self.runner).__name__)
                 reason = (f"--kv-cache-memory {budget / 2**30:.2f} GiB" + ("" if cfg.kv_cache_memory else
-                                                                           " (default on devices without a free-memory query)"))
+                          f" (default: the {backend} backend has no free-memory query)"))
             blocks = max(budget, 0) // spec.bytes_per_block
         need = -(-cfg.max_model_len // spec.block_size)
         if blocks < need:

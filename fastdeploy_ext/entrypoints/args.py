@@ -95,6 +95,9 @@ def add_model_args(p: argparse.ArgumentParser) -> Group:
                    help="dummy: random weights from the built-in 0.9B config (no --model needed)")
     g.add_argument("--model-format", default="auto", choices=MODEL_FORMATS,
                    help="weight layout: torch Linear [out, in] or Paddle [in, out]; auto decides from shapes")
+    g.add_argument("--model-family", default=None, metavar="NAME",
+                   help="the model family (e.g. paddleocr_vl); default: the one config.json's model_type names, "
+                        "or the default family for --load-format dummy")
     return g
 
 
@@ -107,7 +110,7 @@ def model_source_from_args(ns: argparse.Namespace, *, default_dummy: bool = Fals
     if load_format == "dummy":
         if ns.model:
             log.info("--load-format dummy: ignoring --model %s", ns.model)
-        return ModelSource(None, "dummy", ns.model_format)
+        return ModelSource(None, "dummy", ns.model_format, getattr(ns, "model_family", None))
     if not ns.model:
         raise CliError("--model DIR is required (or --load-format dummy for random weights)")
     if not os.path.isdir(ns.model):
@@ -115,7 +118,7 @@ def model_source_from_args(ns: argparse.Namespace, *, default_dummy: bool = Fals
         what = "is a file, not a directory" if os.path.exists(ns.model) else "does not exist"
         raise CliError(f"--model {ns.model}: {what} (a local model directory with config.json and "
                        f"*.safetensors; or --load-format dummy for random weights)")
-    return ModelSource(ns.model, load_format, ns.model_format)
+    return ModelSource(ns.model, load_format, ns.model_format, getattr(ns, "model_family", None))
 
 
 # ------------------------------------------------------------------ device and plan
@@ -198,7 +201,7 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
     from ..engine.config import EngineConfig, parse_bytes, parse_limit_mm
     try:
         cfg = EngineConfig(model=source.model_dir, load_format=source.load_format, model_format=source.model_format,
-                           plan=plan, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                           model_family=source.model_family, plan=plan, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                            max_model_len=ns.max_model_len, max_encoder_patches=ns.max_encoder_patches,
                            limit_mm_per_prompt=parse_limit_mm(ns.limit_mm_per_prompt),
                            gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..models.paddleocr_vl.metadata import BatchError
+from ..models.interface import BatchError
 from ..runner import ImageBatch
 
 if TYPE_CHECKING:

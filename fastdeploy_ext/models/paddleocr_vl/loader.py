@@ -22,6 +22,7 @@ from typing import Iterator, Literal
 
 import torch
 
+from ..interface import CheckpointError
 from .config import PaddleOCRVLConfig
 from .text import ErnieTextModel
 from .vision import PaddleOCRVLVision
@@ -36,10 +37,6 @@ _ALIASES = ((re.compile(r"^model\.visual\."), "visual."),
             (re.compile(r"^model\.language_model\."), "model."))
 _V = "visual.vision_model."
 _IGNORED = re.compile(r"\.(packing_position_embedding|head)\.")   # released extras we never use
-
-
-class CheckpointError(ValueError):
-    """The model directory cannot be loaded; the message names the file or tensor."""
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,12 @@ import torch.nn.functional as F
 from ...ops.pos_embed import LFUCache, resample, taps_and_weights
 from ...ops.rotary import RotaryTable
 from ...transfer import upload
+from ..interface import BatchError
 
 if TYPE_CHECKING:
     from ...ops.attention.varlen import VarlenAttention
 
 Grid = tuple[int, int, int]
-
-
-class BatchError(ValueError):
-    """A vision batch that cannot be encoded (bad grid, wrong shapes); the message says why."""
 
 
 @dataclass

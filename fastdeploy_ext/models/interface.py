@@ -1,0 +1,145 @@
+"""What a model family supplies to the framework: the one seam every model plugs into.
+
+A backend is a device (runner.py's DeviceRunner); a family is a model. Everything model-specific
+lives in ``fastdeploy_ext/models/<family>/`` behind a :class:`ModelFamily`: config parsing,
+the loader, the tokenizer and prompt builder, the modules and their per-batch metadata, what a
+captured graph budget means, and the components the plan chooses kernels for. The runners call
+these hooks and import no family; families register through the entry-point group
+``fastdeploy_ext.models`` (models/registry.py), the built-in ones exactly as out-of-tree ones.
+
+The interface is deliberately narrow (as vLLM's ``platforms/interface.py`` is for devices):
+a hook exists because a runner calls it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
+
+import torch
+
+from ..plan import Component
+
+if TYPE_CHECKING:
+    from ..ops.attention.varlen import VarlenAttention
+
+Grid = tuple[int, int, int]
+
+
+class BatchError(ValueError):
+    """A vision batch that cannot be encoded (bad grid, wrong shapes); the message says why."""
+
+
+class CheckpointError(ValueError):
+    """The model directory cannot be loaded; the message names the file or tensor."""
+
+
+class DecoderModel(Protocol):
+    """The text decoder as the step runner drives it (text_runner.py)."""
+    cfg: Any                    # num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim
+    fused: bool
+
+    def embed(self, token_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+              image_index: torch.Tensor | None) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class GraphBuffers(Protocol):
+    """The static inputs of one captured encoder budget (graphs.py owns capture and replay)."""
+    pixels: torch.Tensor        # [tokens, patch_dim] the replay's input
+    meta: Any                   # the family's metadata over the static buffers
+
+    def load(self, pixels: torch.Tensor, meta: Any) -> None:
+        """Copy one batch (``meta.num_tokens`` <= the budget) into the static buffers."""
+
+    def outputs(self, num_tokens: int) -> int:
+        """Rows of encoder output that ``num_tokens`` input patches produce."""
+
+
+class ModelFamily(ABC):
+    """One model family. Stateless: configs and modules are passed in, never kept."""
+
+    name: ClassVar[str]
+    #: config.json ``model_type`` values this family loads (detection, models/registry.py)
+    model_types: ClassVar[tuple[str, ...]]
+
+    # ------------------------------------------------------------------ config
+    @abstractmethod
+    def default_config(self) -> Any:
+        """The built-in config (random weights with ``--load-format dummy``; `info` without a model)."""
+
+    @abstractmethod
+    def read_config(self, model_dir: str) -> Any:
+        """The model directory's config (config.json); a clear error naming the file when bad."""
+
+    @abstractmethod
+    def components(self, cfg: Any) -> tuple[Component, ...]:
+        """What the plan chooses kernels for, each with its kernel kind and facts."""
+
+    # ------------------------------------------------------------------ loading
+    @abstractmethod
+    def load_vision(self, model_dir: str | None, *, dtype: torch.dtype, device: torch.device,
+                    model_format: str, cfg: Any) -> tuple[torch.nn.Module, Any]:
+        """Vision encoder + projector (random weights when ``model_dir`` is None); returns the
+        module and a LoadReport (model_dir, files, layout, layout_reason, tensors_loaded)."""
+
+    @abstractmethod
+    def build_vision_model(self, cfg: Any) -> torch.nn.Module:
+        """The vision module's structure with weights on ``meta`` (the no-sync proof's twin)."""
+
+    @abstractmethod
+    def load_text(self, model_dir: str | None, *, dtype: torch.dtype, device: torch.device,
+                  model_format: str, cfg: Any) -> tuple[DecoderModel, Any]:
+        """The text decoder; returns it and its LoadReport."""
+
+    @abstractmethod
+    def load_tokenizer(self, model_dir: str | None, cfg: Any) -> tuple[Any, Any]:
+        """(tokenizer, chat template) of the model dir, or the built-in ones without a dir."""
+
+    @abstractmethod
+    def image_processor(self, model_dir: str | None) -> Any:
+        """The host-side image preprocessor (the model dir's settings, or the built-in ones)."""
+
+    @abstractmethod
+    def build_prompt(self, tokenizer, chat_template, cfg: Any, *, messages=None, prompt=None, image_grids=()):
+        """Token ids with image placeholders expanded, rope positions and rope_delta."""
+
+    # ------------------------------------------------------------------ execution
+    @abstractmethod
+    def vision_execution(self, attention: "VarlenAttention", strided_qkv: bool, fused_layers: bool) -> Any:
+        """How the vision modules run under the plan (attention backend, qkv layout, fused passes)."""
+
+    @abstractmethod
+    def metadata_builder(self, cfg: Any, vision_model: torch.nn.Module, *, dtype: torch.dtype,
+                         device: torch.device, attention: "VarlenAttention") -> Any:
+        """The per-batch metadata builder (``build_host(grids)``, ``build_device(grid_tensor)``;
+        both return metadata with ``num_tokens`` and ``out_split_sizes``)."""
+
+    @abstractmethod
+    def check_pixels(self, cfg: Any, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> list[Grid]:
+        """Validate a packed batch's pixels and grids (BatchError naming the problem)."""
+
+    @abstractmethod
+    def output_sizes(self, cfg: Any, grids: Sequence[Grid]) -> list[int]:
+        """Encoder output rows (image embeddings) per image."""
+
+    @abstractmethod
+    def graph_buffers(self, cfg: Any, tokens: int, attention_state: Any, *, device: torch.device,
+                      dtype: torch.dtype) -> GraphBuffers:
+        """Static buffers for an encoder graph captured at a budget of ``tokens`` input patches:
+        what a budget means for this family (e.g. how many output rows it yields)."""
+
+    @abstractmethod
+    def image_token_id(self, cfg: Any) -> int:
+        """The placeholder token whose rows the image embeddings replace."""
+
+    @property
+    @abstractmethod
+    def position_rows(self) -> int:
+        """Rows of a prefill's rope positions ([P, n]: 3 for mrope, 1 for 1D rope)."""
+
+    @abstractmethod
+    def encoder_matmul_shapes(self, cfg: Any, tokens: int) -> tuple[tuple[int, int, int], ...]:
+        """(m, k, n) of the encoder's GEMMs on ``tokens`` patches (backends probe their BLAS with it)."""
