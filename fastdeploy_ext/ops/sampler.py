@@ -116,8 +116,10 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     vocab = logits.shape[-1]
     greedy = all(_is_greedy(r) for r in reqs)
     next_ids = logits.argmax(dim=-1)
-    # amax is NaN if any element is, +inf if any is, -inf if all are: one reduction finds them all
-    bad = ~torch.isfinite(logits.amax(dim=-1))
+    # argmax propagates NaN (a NaN is the maximum) and picks +inf over any finite value, and the
+    # maximum is -inf only when the whole row is: the chosen logit alone says whether the row is
+    # finite, a gather of one value per row instead of a second pass over the vocabulary
+    bad = ~torch.isfinite(logits.gather(1, next_ids.unsqueeze(1)).squeeze(1))
     if not greedy:
         dev = logits.device
         temp = torch.tensor([1.0 if _is_greedy(r) else r.temperature for r in reqs], dtype=torch.float32)
