@@ -96,7 +96,7 @@ def split_messages(messages: Any) -> tuple[list[dict], list[Any]]:
 
 
 # transformers' processor upscales a 1-pixel-wide image to min_pixels of pure interpolation; no
-# text fits in it, so a request carrying one is refused as bad input (the issue's "1x1" case)
+# text fits in it, so a request carrying one (a 1x1 image, say) is refused as bad input
 MIN_IMAGE_SIDE = 2
 # A cheap bound on a prompt's text before any tokenizing: no tokenizer averages more than ~8 UTF-8
 # bytes a token on real text of any script (the byte-level dummy one: 1), so text of more than
