@@ -40,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.server_harness import free_port, png_bytes, ref_images, tiny_vl  # noqa: E402
+from tests.server_harness import free_port, png_bytes, ref_images, tiny_vl, wait_until_healthy  # noqa: E402
 
 MAX_TOKENS = 64
 API_KEY = "fuzz-key"
@@ -329,17 +329,10 @@ class Server:
         self.model = None if uses_dummy else str(tiny_vl())
 
     def wait_healthy(self, deadline_s: float = 300) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; log: {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"server not healthy after {deadline_s} s; log: {self.log.name}")
+        why = wait_until_healthy(self.url, deadline_s, lambda: None if self.proc.poll() is None
+                                 else f"server exited with {self.proc.returncode}")
+        if why is not None:
+            raise SystemExit(f"{why}; log: {self.log.name}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

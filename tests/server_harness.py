@@ -21,6 +21,23 @@ from fastdeploy_ext.conformance.references import Manifest
 TINY_ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB", "--host", "127.0.0.1"]
 
 
+def wait_until_healthy(url: str, deadline_s: float, exited=lambda: None) -> str | None:
+    """Poll ``url``/health until it answers 200: None; otherwise why not (``exited()``'s reason
+    once the server process is gone, or the deadline)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        why = exited()
+        if why is not None:
+            return why
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return f"server not healthy after {deadline_s:g} s"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,17 +70,13 @@ class ServerProc:
         return self.log.getvalue().decode(errors="replace")
 
     def wait_healthy(self, deadline_s: float = 180) -> "ServerProc":
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {deadline_s}s:\n{self.output}")
+        why = wait_until_healthy(self.url, deadline_s, self.exited)
+        if why is not None:
+            raise AssertionError(f"{why}:\n{self.output}")
+        return self
+
+    def exited(self) -> str | None:
+        return None if self.proc.poll() is None else f"server exited with {self.proc.returncode}"
 
     def metric(self, name: str, port: int | None = None) -> float:
         text = httpx.get(f"http://127.0.0.1:{port or self.port}/metrics", timeout=10).text

@@ -16,7 +16,7 @@ import pytest
 
 from fastdeploy_ext.entrypoints.openai import api_server
 
-from .server_harness import TINY_ARGS, chat, data_url, free_port, ref_images, tiny_vl
+from .server_harness import TINY_ARGS, chat, data_url, free_port, ref_images, tiny_vl, wait_until_healthy
 
 POISON_MAX_TOKENS = 7          # the request whose detokenization raises (the others ask for 8)
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -33,15 +33,8 @@ class InThreadServer:
                                        daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.port}"
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the in-thread server did not become healthy")
+        why = wait_until_healthy(self.url, 180, lambda: None if self.thread.is_alive() else "the server thread ended")
+        assert why is None, why
 
     def stop(self) -> int:
         self.state.request_exit(0)
