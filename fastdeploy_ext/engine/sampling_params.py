@@ -22,11 +22,13 @@ import logging
 import math
 from dataclasses import dataclass, field, fields
 
+from ..ops.sampler import GREEDY_EPS
 from .errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-SAMPLING_EPS = 1e-5               # temperature below: greedy (vLLM's _SAMPLING_EPS)
+# temperature below: greedy (vLLM's _SAMPLING_EPS); the sampler's own rule, one constant for both
+SAMPLING_EPS = GREEDY_EPS
 MIN_TEMPERATURE = 1e-2            # temperature in [eps, this) is raised to this (vLLM's _MAX_TEMP)
 MAX_TEMPERATURE = 1e4
 SEED_RANGE = (-2**63, 2**63)      # [lo, hi)

@@ -47,7 +47,8 @@ class SampleResult:
         self.errors = self.errors or [None] * n
 
 
-GREEDY_EPS = 1e-5        # a temperature below samples greedily (SamplingParams.validate's rule)
+GREEDY_EPS = 1e-5        # a temperature below samples greedily (vLLM's _SAMPLING_EPS; SamplingParams.validate
+                         # maps such temperatures to 0 with this same constant)
 
 
 def _is_greedy(r: "SampleRequest") -> bool:
