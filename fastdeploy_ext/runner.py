@@ -187,6 +187,18 @@ class DeviceRunner(ABC):
         """Capture the decode batch-size buckets the plan asks for (after init_kv_cache);
         execute() then replays them for decode steps. A no-op report when the plan says off."""
 
+    # ------------------------------------------------- host -> device on the step paths
+    def pin_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a host tensor) in memory this device copies from without blocking the host
+        (page-locked on CUDA-style devices), or ``t`` itself where that means nothing. Called by
+        the preprocessing workers, off the step loop."""
+        return t
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a host tensor, ideally from pin_host) on this runner's device, queued without
+        blocking the host where the device can do that."""
+        return t.to(self.device, non_blocking=True)
+
     def device_memory(self) -> "tuple[int, int] | None":
         """(free, total) bytes of the device now, or None when the backend cannot tell: the
         engine then sizes the KV pool from --kv-cache-memory and says so. Backends implement it
