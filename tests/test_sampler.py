@@ -212,3 +212,17 @@ def test_values_past_validation_cannot_overflow_the_sampler():
     res = sample(x.clone(), [SampleRequest(temperature=1.0, top_k=2**63 - 1, generator=torch.Generator().manual_seed(0)),
                              SampleRequest(temperature=1e-46, top_k=5)])
     assert res.errors == [None, None] and res.token_ids[1] == int(x[1].argmax())
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+def test_packed_ids_and_finite_flags_read_back_exactly(monkeypatch, byteorder):
+    """The greedy path's single transfer: ids next to the row maxima's raw float32 bits. Every
+    kind of value (negative, -0.0, subnormal, huge, +-inf, NaN) and ids up to 2**31 - 1 come
+    back as they went in; the fallback without the bit trick agrees."""
+    from fastdeploy_ext.ops import sampler as sampler_mod
+    monkeypatch.setattr(sampler_mod.sys, "byteorder", byteorder)
+    values = torch.tensor([-3.5, -0.0, 1e-42, 3.0e38, float("inf"), float("-inf"), float("nan"), 7.0])
+    ids = torch.tensor([0, 1, 2**31 - 1, 12345, 5, 6, 2**20, 99], dtype=torch.int64)
+    got_ids, bad = sampler_mod._ids_and_nonfinite(ids, values)
+    assert got_ids == ids.tolist()
+    assert bad == [False, False, False, False, True, True, True, False]

@@ -15,6 +15,7 @@ device and travels in the step's single host transfer.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
@@ -61,6 +62,21 @@ def _row_errors(rows_bad: list[bool], reqs: list["SampleRequest"]) -> list[str |
     return [f"cannot sample: the logits are not finite (NaN or inf) or nothing is left to sample after the "
             f"penalties and filters (temperature={r.temperature:g}, top_p={r.top_p:g}, top_k={r.top_k}, "
             f"repetition_penalty={r.repetition_penalty:g})" if b else None for b, r in zip(rows_bad, reqs)]
+
+
+_FLOAT32_EXPONENT = 0x7F800000      # all exponent bits set: +-inf or NaN
+
+
+def _ids_and_nonfinite(ids: torch.Tensor, values: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Host ids and "value is not finite" per row, in one transfer and one concatenation: the
+    int64 ids viewed as int32 pairs (low word first on every little-endian device; ids < 2**31)
+    next to the float32 values' raw bits, whose exponent says inf/NaN."""
+    n = ids.shape[0]
+    if sys.byteorder != "little":          # no supported device is big-endian; stay correct anyway
+        ids_host, bad_host = torch.stack([ids, (~torch.isfinite(values)).to(ids.dtype)]).tolist()
+        return ids_host, [bool(b) for b in bad_host]
+    packed = torch.cat([ids.contiguous().view(torch.int32), values.float().contiguous().view(torch.int32)]).tolist()
+    return packed[0:2 * n:2], [(b & _FLOAT32_EXPONENT) == _FLOAT32_EXPONENT for b in packed[2 * n:]]
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[int], reqs: list[SampleRequest]) -> None:
@@ -116,11 +132,16 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
 
     vocab = logits.shape[-1]
     greedy = all(_is_greedy(r) for r in reqs)
-    next_ids = logits.argmax(dim=-1)
-    # argmax propagates NaN (a NaN is the maximum) and picks +inf over any finite value, and the
-    # maximum is -inf only when the whole row is: the chosen logit alone says whether the row is
-    # finite, a gather of one value per row instead of a second pass over the vocabulary
-    bad = ~torch.isfinite(logits.gather(1, next_ids.unsqueeze(1)).squeeze(1))
+    # max propagates NaN (a NaN is the maximum) and picks +inf over any finite value, and the
+    # maximum is -inf only when the whole row is: the row's maximum alone says whether the row is
+    # finite. It comes out of the same reduction as the argmax; on the greedy path it travels to
+    # the host as raw bits next to the ids and is checked there (no extra kernels on the step:
+    # isfinite alone is five launches on CUDA, ~8 % of a batch-1 decode step on the H200)
+    top_values, next_ids = logits.max(dim=-1)
+    if greedy and not want_lp:
+        ids_host, bad_host = _ids_and_nonfinite(next_ids, top_values)
+        return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
+    bad = ~torch.isfinite(top_values)
     if not greedy:
         dev = logits.device
         temp = torch.tensor([1.0 if _is_greedy(r) else r.temperature for r in reqs], dtype=torch.float32)
