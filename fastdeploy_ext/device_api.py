@@ -140,22 +140,24 @@ class DeviceAPI:
 
 # ---------------------------------------------------------------------- registry
 _BY_TYPE: dict[str, type[DeviceAPI]] = {}
-_INSTANCES: dict[torch.device, DeviceAPI] = {}
+_INSTANCES: dict[torch.device | str, DeviceAPI] = {}     # keyed by what callers pass (a device or its name)
 
 
 def register_device_api(device_type: str, cls: type[DeviceAPI]) -> None:
     """``cls`` serves every torch device of ``device_type`` (called by a backend at import)."""
     _BY_TYPE[device_type] = cls
-    for dev in [d for d in _INSTANCES if d.type == device_type]:
-        del _INSTANCES[dev]
+    for key in [k for k, api in _INSTANCES.items() if api.device.type == device_type]:
+        del _INSTANCES[key]
 
 
 def device_api_for(device: torch.device | str) -> DeviceAPI:
-    """The device API of ``device`` (one instance per device)."""
-    device = torch.device(device)
+    """The device API of ``device`` (one instance per device). The metadata uploads of every
+    vision pass come through here: a hit is one dict lookup."""
     api = _INSTANCES.get(device)
     if api is None:
-        api = _INSTANCES[device] = _device_api_class(device.type)(device)
+        dev = torch.device(device)
+        api = next((a for a in _INSTANCES.values() if a.device == dev), None) or _device_api_class(dev.type)(dev)
+        _INSTANCES[device] = _INSTANCES[dev] = api
     return api
 
 
