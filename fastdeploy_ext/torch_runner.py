@@ -1,9 +1,10 @@
 """The shared PyTorch implementation behind every built-in runner.
 
-Backends differ in how they probe, which capability row they pick, which torch device they run
-on, how they guard against host syncs and how they report memory; the vision path itself is this
-one class, configured by the RunPlan. A vendor runner subclasses it and overrides those hooks —
-never copies it.
+Backends differ in how they probe, which capability row they pick and which torch device they
+run on; what the device itself offers (memory queries, pinned staging, graphs, peak-memory
+profiling, the sync guard) is the device API registered for that torch device type
+(device_api.py). The vision path itself is this one class, configured by the RunPlan. A vendor
+runner subclasses it and overrides those hooks — never copies it.
 
 The runner is the device; the model is a family (models/interface.py) it holds once loaded and
 reaches only through the family's hooks. The plan is resolved for the family's declared
