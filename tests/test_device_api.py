@@ -317,3 +317,66 @@ def test_runner_hooks_are_the_device_apis_bound_methods():
 def _request():
     from fastdeploy_ext.plan import PlanRequest
     return PlanRequest(device="cpu")
+
+
+# ------------------------------------------------------------------ the CUDA API's call sequence
+class _CudaRecorder:
+    """torch.cuda's stream / graph entry points, recording the order the CUDA API calls them."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[str] = []
+        rec = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = f"side{sum(e.startswith('Stream(') for e in rec.log)}"
+                rec.log.append(f"Stream({device})")
+
+            def wait_stream(self, other):
+                rec.log.append(f"{self.name}.wait_stream({other.name})")
+
+        class Current(Stream):
+            def __init__(self):
+                self.name = "current"
+
+        class Graph:
+            def replay(self):
+                rec.log.append("replay")
+
+        class _Ctx:
+            def __init__(self, what):
+                self.what = what
+
+            def __enter__(self):
+                rec.log.append(f"enter {self.what}")
+
+            def __exit__(self, *exc):
+                rec.log.append(f"exit {self.what}")
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Current())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: _Ctx(f"stream {s.name}"))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: rec.log.append("synchronize"))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: _Ctx(
+            f"graph pool={pool} stream={getattr(stream, 'name', None)}"))
+
+
+@pytest.mark.parametrize("given_stream", [False, True])
+def test_cuda_capture_warms_up_on_the_side_stream_then_captures_into_the_pool(monkeypatch, given_stream):
+    """Encoder graphs pass their one shared stream (warm-up and capture on it); decode graphs pass
+    none (a fresh side stream for the warm-up, the graph's default capture stream)."""
+    rec = _CudaRecorder(monkeypatch)
+    api = CudaDeviceAPI(torch.device("cuda", 0))
+    stream = api.new_stream() if given_stream else None
+    rec.log.clear()
+    calls = []
+    graph, out = api.capture_graph(lambda: calls.append(len(rec.log)) or "out", pool="P", stream=stream)
+    capture_on = "side0" if given_stream else None
+    expect = ([] if given_stream else ["Stream(cuda:0)"]) + [
+        "side0.wait_stream(current)", "enter stream side0", "exit stream side0", "current.wait_stream(side0)",
+        "synchronize", f"enter graph pool=P stream={capture_on}", f"exit graph pool=P stream={capture_on}"]
+    assert rec.log == expect
+    # two warm-up calls inside the side stream's context, the captured one inside the graph's
+    warm, cap = expect.index("enter stream side0") + 1, expect.index(f"enter graph pool=P stream={capture_on}") + 1
+    assert calls == [warm, warm, cap] and out == "out" and isinstance(graph, torch.cuda.CUDAGraph)
