@@ -196,12 +196,12 @@ class PagedAttention:
 
 
 class DecodeGraphs:
-    """One device graph per decode batch-size bucket (captured through the device API). The static inputs (token ids, positions, slot
-    mapping, block tables, context lengths) live in fixed buffers sized for the largest bucket
-    and max_model_len; a batch is padded to the smallest bucket >= its size, padded rows write
-    to the scratch block and attend to one token of it. The attention backend must be graph
-    safe (its launch grid may not depend on the step: triton_paged's decode uses the fixed
-    max_model_len partition count)."""
+    """One device graph per decode batch-size bucket, captured through the device API (CUDA graphs
+    on CUDA). The static inputs (token ids, positions, slot mapping, block tables, context
+    lengths) live in fixed buffers sized for the largest bucket and max_model_len; a batch is
+    padded to the smallest bucket >= its size, padded rows write to the scratch block and attend
+    to one token of it. The attention backend must be graph safe (its launch grid may not depend
+    on the step: triton_paged's decode uses the fixed max_model_len partition count)."""
 
     def __init__(self, runner: TextStepRunner, sizes: tuple[int, ...], max_model_len: int):
         self.r = runner
