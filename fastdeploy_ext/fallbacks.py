@@ -5,7 +5,8 @@ Today's fallbacks:
 * fused layers planned, but the Triton passes cannot run on the tensors' device (e.g. the
   Triton interpreter with CUDA tensors): q/k rotary and residual+LayerNorm run as ATen ops;
 * fused layers on CUDA with a torch lacking the private ``_addmm_activation``: fc1's tanh GELU
-  is its own kernel instead of cuBLASLt's epilogue;
+  is its own kernel instead of cuBLASLt's epilogue (the device API's fallback_notes: the CUDA
+  backend's says so);
 * bf16 on a CPU where oneDNN's linear with a GELU post-op does not run: fc1's GELU is its own
   ATen op;
 * whatever the device probe could not find out (e.g. the GPU driver-version query failing):
@@ -20,6 +21,8 @@ import functools
 import logging
 
 import torch
+
+from .device_api import device_api_for
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +100,7 @@ def fallback_notes(device: torch.device, fused_layers: bool, probe=None, dtype: 
         usable, why = triton_passes_usable(device)
         if not usable:
             notes.append(rotary_aten_note(why))
-        if device.type == "cuda" and not addmm_activation_available():
-            notes.append(GELU_UNFUSED_NOTE)
+    notes += device_api_for(device).fallback_notes(fused_layers)
     notes += [f"probe: {n}" for n in getattr(probe, "notes", ())]
     for n in notes:
         log_once(n)

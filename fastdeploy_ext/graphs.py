@@ -1,4 +1,5 @@
-"""Encoder CUDA graphs over token budgets.
+"""Encoder graphs over token budgets (captured and replayed through the runner's device API:
+CUDA graphs on CUDA and MACA).
 
 Each graph path (e.g. "blocks" for small layout crops, "pages" for whole pages) captures the
 encoder + projector at token budgets doubling from its minimum to its maximum (plus the
@@ -53,7 +54,7 @@ class _BudgetGraph:
         self.buffers = runner.family.graph_buffers(runner.cfg, tokens, state, device=runner.device,
                                                    dtype=runner.dtype)
         self.model, self.execution = runner.model, runner.execution
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph = None                                 # the device API's graph (replay())
         self.out: torch.Tensor | None = None
 
     def _forward(self):
@@ -64,16 +65,10 @@ class _BudgetGraph:
         (the same padded batch): the conformance suite's bitwise reference for the replay."""
         return self._forward()[:self.buffers.outputs(n)]
 
-    def capture(self, pool, stream: torch.cuda.Stream) -> None:
-        # Warm up on a side stream (Triton compiles its kernels for these shapes).
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.out = self._forward()
+    def capture(self, api, pool, stream) -> None:
+        # warmed up on the shared side stream first (Triton compiles its kernels for these shapes),
+        # then captured on it
+        self.graph, self.out = api.capture_graph(self._forward, pool, stream)
 
     def replay(self, pixels: torch.Tensor, meta) -> torch.Tensor:
         self.buffers.load(pixels, meta)
@@ -119,8 +114,10 @@ def route_batch(grids: list[tuple[int, int, int]], paths: tuple[EncoderGraphPath
 
 class EncoderGraphs:
     def __init__(self, runner, paths: tuple[EncoderGraphPath, ...], split_oversize: bool = False):
-        if runner.device.type != "cuda":
-            raise RuntimeError("encoder graphs need a CUDA device")
+        self.api = runner.device_api
+        if not self.api.supports_graphs:
+            raise RuntimeError(f"encoder graphs need a device with a graph API; the {self.api.name} device API "
+                               f"of {runner.device} has none")
         if not runner.execution.attention.graph_safe:
             raise RuntimeError(f"encoder graphs need a graph-safe attention backend, plan has "
                                f"{runner.execution.attention.name}")
@@ -132,22 +129,23 @@ class EncoderGraphs:
         t0 = time.perf_counter()
         # graph memory = what the private pool keeps reserved: measured with the caching
         # allocator's free blocks released on both sides (warm-up buffers, other runners' frees)
+        api = self.api
         gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.runner.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
+        api.synchronize()
+        api.empty_cache()
+        before = api.reserved_bytes()
+        pool = api.graph_pool()
+        stream = api.new_stream()
         with torch.inference_mode():
             # largest first, so smaller graphs reuse the shared pool's blocks
             for path in self.paths:
                 for b in sorted(path.budgets, reverse=True):
                     bg = _BudgetGraph(self.runner, b, path.max_segments)
-                    bg.capture(pool, stream)
+                    bg.capture(api, pool, stream)
                     self.graphs[(path.name, b)] = bg
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        mem = torch.cuda.memory_reserved(self.runner.device) - before
+        api.synchronize()
+        api.empty_cache()
+        mem = api.reserved_bytes() - before
         dt = time.perf_counter() - t0
         report = GraphReport(captured=len(self.graphs), paths={p.name: list(p.budgets) for p in self.paths},
                              capture_seconds=dt, graph_memory_bytes=mem)

@@ -1,10 +1,11 @@
 """Peak activation memory of one full step (vision pass + prefill), for sizing the KV pool.
 
-On CUDA (and MACA's CUDA-compatible torch) it is measured: a dummy vision pass over
+Where the device API reports allocator statistics (CUDA, and MACA's CUDA-compatible torch) it
+is measured: a dummy vision pass over
 ``max_encoder_patches`` patches and a dummy prefill of ``max_num_batched_tokens`` tokens, with the
 allocator's peak read before and after; the temporary KV blocks the prefill needs are not
 counted (the engine sizes the KV pool separately). Elsewhere it is an estimate from the model's
-shapes (the CPU has no allocator statistics worth trusting).
+shapes (the host API reports none: the CPU has no allocator statistics worth trusting).
 """
 from __future__ import annotations
 
@@ -37,24 +38,25 @@ def estimate_peak_bytes(runner, max_num_batched_tokens: int, max_encoder_patches
 
 
 def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
-    if runner.device.type != "cuda":
+    api = runner.device_api
+    if not api.allocator_stats:
         est = estimate_peak_bytes(runner, max_num_batched_tokens, max_encoder_patches)
-        log.info("peak step memory (estimate on %s): %.1f MiB", runner.device.type, est / 2 ** 20)
+        log.info("peak step memory (estimate on %s: the %s device API reports no allocator statistics): %.1f MiB",
+                 runner.device.type, api.name, est / 2 ** 20)
         return est
     from .engine.step import SeqStep, StepBatch
     from .runner import ImageBatch
     text = runner._require_text()
-    dev = runner.device
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
+    api.synchronize()
+    api.reset_peak_allocated()
+    base = api.allocated_bytes()
     merge = runner.cfg.vision.spatial_merge_size
     grid = _grid_for(max_encoder_patches, merge)
     vc = runner.cfg.vision
     pv = torch.zeros(grid[1] * grid[2], vc.num_channels, vc.patch_size, vc.patch_size)
     runner.encode_images(ImageBatch(pv, [grid]))
-    torch.cuda.synchronize(dev)
-    vision_peak = torch.cuda.max_memory_allocated(dev) - base
+    api.synchronize()
+    vision_peak = api.peak_allocated_bytes() - base
 
     had_kv = text.kv is not None
     if had_kv:
@@ -64,15 +66,15 @@ def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches
     blocks = (n + bs - 1) // bs
     text.init_kv_cache(blocks)
     kv_bytes = 2 * text.kv.k.numel() * text.kv.k.element_size()
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base2 = torch.cuda.memory_allocated(dev)
+    api.synchronize()
+    api.reset_peak_allocated()
+    base2 = api.allocated_bytes()
     step = StepBatch(True, [SeqStep(0, [0] * n, 0, list(range(blocks)), None)])
     text.execute(step)
-    torch.cuda.synchronize(dev)
-    text_peak = torch.cuda.max_memory_allocated(dev) - base2
+    api.synchronize()
+    text_peak = api.peak_allocated_bytes() - base2
     text.free_kv_cache()
-    torch.cuda.empty_cache()
+    api.empty_cache()
     peak = max(vision_peak, text_peak)
     log.info("peak step memory (measured): vision %d patches %.1f MiB, prefill %d tokens %.1f MiB "
              "(temporary KV %.1f MiB not counted)", grid[1] * grid[2], vision_peak / 2 ** 20, n,

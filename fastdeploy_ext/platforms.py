@@ -8,7 +8,6 @@ mutable state here.
 
 Helpers: :func:`error_text` (an exception as one line), :func:`c_text` (bytes/str from a C
 binding -> clean str), :func:`slug`, :func:`import_quietly` (lazy SDK import, warnings muted),
-:func:`torch_cuda_view` (what torch says about CUDA-style devices, never raising),
 :func:`devices_text`, :func:`jsonable`, :func:`never_raises` (wrap a probe so an unexpected
 exception becomes a not-present result naming it).
 """
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["DeviceInfo", "GiB", "ProbeResult", "c_text", "devices_text", "error_text", "import_quietly", "jsonable",
-           "never_raises", "slug", "torch_cuda_view"]
+           "never_raises", "slug"]
 
 GiB = 1024 ** 3
 
@@ -108,27 +107,6 @@ def import_quietly(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)
-
-
-def torch_cuda_view(torch_module=None) -> dict:
-    """What torch says about CUDA-style devices (CUDA, and MACA builds that expose ``cuda``);
-    never raises: a failure is reported under ``torch_error``."""
-    view: dict = {"torch_version": None, "torch_cuda_version": None, "torch_cuda_available": False,
-                  "torch_cuda_device_count": 0}
-    try:
-        torch = torch_module if torch_module is not None else import_quietly("torch")
-    except Exception as e:
-        view["torch_error"] = f"torch not importable: {error_text(e)}"
-        return view
-    try:
-        view["torch_version"] = str(getattr(torch, "__version__", "?"))
-        view["torch_cuda_version"] = getattr(getattr(torch, "version", None), "cuda", None)
-        view["torch_cuda_available"] = bool(torch.cuda.is_available())
-        if view["torch_cuda_available"]:
-            view["torch_cuda_device_count"] = int(torch.cuda.device_count())
-    except Exception as e:
-        view["torch_error"] = f"torch.cuda query failed: {error_text(e)}"
-    return view
 
 
 def devices_text(devices) -> str:

@@ -2,8 +2,9 @@
 
 A backend (built-in or out of tree) is a `DeviceRunner` subclass registered under the
 entry-point group ``fastdeploy_ext.backends``; the built-ins register exactly the same way
-(setup.py). The registry is the only module-level mutable state in the framework, and it is
-filled lazily from entry points.
+(setup.py). The registry is filled lazily from entry points; with the device APIs the backends
+register for their torch device types (device_api.py) and the family registry, it is the
+framework's only module-level mutable state.
 """
 from __future__ import annotations
 
@@ -188,6 +189,7 @@ class DeviceRunner(ABC):
         execute() then replays them for decode steps. A no-op report when the plan says off."""
 
     # ------------------------------------------------- host -> device on the step paths
+    # (TorchRunner binds these, device_memory and memory_stats to its device API: device_api.py)
     def pin_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a host tensor) in memory this device copies from without blocking the host
         (page-locked on CUDA-style devices), or ``t`` itself where that means nothing. Called by

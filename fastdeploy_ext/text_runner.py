@@ -3,20 +3,21 @@
 TorchRunner owns one `TextStepRunner` once a text model is loaded; every method here is
 device-agnostic and configured by the plan (text attention backend, KV block size, decode graph
 batch sizes). Step metadata is built on the host from the StepBatch's Python ints and uploaded
-without a sync (pinned + non-blocking on CUDA).
+without a sync (the device API's stage_and_upload: pinned + non-blocking on CUDA).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from .device_api import DeviceAPI, device_api_for
 from .engine.step import KVCacheSpec, StepBatch
 from .models.interface import DecoderModel
 from .ops.attention.paged import KVCache, PagedAttentionBackend, PagedStepMeta
-from .transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,13 @@ class StepInputs:
 
 class TextStepRunner:
     def __init__(self, model: DecoderModel, backend: PagedAttentionBackend, *, block_size: int,
-                 device: torch.device, dtype: torch.dtype, image_token_id: int, position_rows: int = 3):
+                 device: torch.device, dtype: torch.dtype, image_token_id: int, position_rows: int = 3,
+                 device_api: DeviceAPI | None = None):
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device, self.dtype, self.image_token_id = device, dtype, image_token_id
+        self.device_api = device_api or device_api_for(device)
+        # called a few times per step: the bound method itself (no forwarding frame)
+        self.upload = self.device_api.stage_and_upload
         self.position_rows = position_rows      # P of a prefill's [P, n] rope positions (3: mrope)
         cfg = model.cfg
         self.scale = cfg.head_dim ** -0.5
@@ -71,9 +76,6 @@ class TextStepRunner:
         self.kv = None
 
     # ---------------------------------------------------------------- host -> device
-    def upload(self, t: torch.Tensor) -> torch.Tensor:
-        return upload(t, self.device)
-
     def _check(self, step: StepBatch) -> None:
         if self.kv is None:
             raise RuntimeError("no KV cache: call init_kv_cache(num_blocks) first")
@@ -194,12 +196,12 @@ class PagedAttention:
 
 
 class DecodeGraphs:
-    """One CUDA graph per decode batch-size bucket. The static inputs (token ids, positions, slot
-    mapping, block tables, context lengths) live in fixed buffers sized for the largest bucket
-    and max_model_len; a batch is padded to the smallest bucket >= its size, padded rows write
-    to the scratch block and attend to one token of it. The attention backend must be graph
-    safe (its launch grid may not depend on the step: triton_paged's decode uses the fixed
-    max_model_len partition count)."""
+    """One device graph per decode batch-size bucket, captured through the device API (CUDA graphs
+    on CUDA). The static inputs (token ids, positions, slot mapping, block tables, context
+    lengths) live in fixed buffers sized for the largest bucket and max_model_len; a batch is
+    padded to the smallest bucket >= its size, padded rows write to the scratch block and attend
+    to one token of it. The attention backend must be graph safe (its launch grid may not depend
+    on the step: triton_paged's decode uses the fixed max_model_len partition count)."""
 
     def __init__(self, runner: TextStepRunner, sizes: tuple[int, ...], max_model_len: int):
         self.r = runner
@@ -208,6 +210,9 @@ class DecodeGraphs:
         self.max_blocks = (max_model_len + bs - 1) // bs
         self.max_model_len = self.max_blocks * bs
         dev, n = runner.device, self.sizes[-1]
+        # staging and capture through the device API (a host one stages into plain memory and
+        # refuses to capture: the tests build these on the CPU to check the staging)
+        self.api = api = runner.device_api
         self.scratch = runner.num_blocks            # the extra block init_kv_cache allocated
         # rows 0..2: token id, rope position, KV slot of each row's one new token (int64, one
         # upload); ctx and tables are int32 as the attention kernels read them
@@ -223,15 +228,15 @@ class DecodeGraphs:
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         # Host staging twins, written through numpy views: one bulk write per field instead of
         # a few tensor element writes per row (~18 us a row, 4.5 ms a step at batch 256 on a
-        # 2-core Xeon, time the GPU then idles). Pinned on CUDA so the uploads queue without
-        # blocking; an event says when the last step's uploads have left them.
-        pin = dev.type == "cuda"
-        self.h_scalars = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
-        self.h_ctx = torch.ones(n, dtype=torch.int32, pin_memory=pin)
-        self.h_tables = torch.full((n, self.max_blocks), self.scratch, dtype=torch.int32, pin_memory=pin)
+        # 2-core Xeon, time the GPU then idles). Pinned (the device API's pin: page-locked on
+        # CUDA) so the uploads queue without blocking; an event says when the last step's uploads
+        # have left them.
+        self.h_scalars = api.pin(torch.zeros(3, n, dtype=torch.int64))
+        self.h_ctx = api.pin(torch.ones(n, dtype=torch.int32))
+        self.h_tables = api.pin(torch.full((n, self.max_blocks), self.scratch, dtype=torch.int32))
         self._np = (self.h_scalars.numpy(), self.h_ctx.numpy(), self.h_tables.numpy())
-        self._uploaded = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._uploaded = api.transfer_event()
+        self.graphs: dict[int, object] = {}         # bucket -> the device API's graph (replay())
         self.out: dict[int, torch.Tensor] = {}
 
     def _inputs(self, b: int) -> StepInputs:
@@ -246,24 +251,17 @@ class DecodeGraphs:
 
     def capture(self) -> dict:
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_allocated(self.r.device)
+        api = self.api
+        pool = api.graph_pool()
+        before = api.allocated_bytes()
         with torch.no_grad():
             for b in reversed(self.sizes):           # largest first: later ones reuse its pool
-                inp = self._inputs(b)
-                s = torch.cuda.Stream(self.r.device)
-                s.wait_stream(torch.cuda.current_stream(self.r.device))
-                with torch.cuda.stream(s):
-                    for _ in range(2):               # warm up (Triton autotune/compile, allocator)
-                        self.r.forward(inp)
-                torch.cuda.current_stream(self.r.device).wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.out[b] = self.r.forward(inp)
-                self.graphs[b] = g
-        torch.cuda.synchronize(self.r.device)
+                # warm-up (Triton autotune/compile, allocator) on a fresh side stream; the graph
+                # is captured on the device's default capture stream
+                self.graphs[b], self.out[b] = api.capture_graph(partial(self.r.forward, self._inputs(b)), pool)
+        api.synchronize()
         return {"sizes": list(self.sizes), "seconds": time.perf_counter() - t0,
-                "memory_bytes": torch.cuda.memory_allocated(self.r.device) - before}
+                "memory_bytes": api.allocated_bytes() - before}
 
     def stage(self, step: StepBatch, bucket: int) -> None:
         """Write the step's inputs into the host staging buffers, rows b..bucket as padding

@@ -1,9 +1,10 @@
 """The shared PyTorch implementation behind every built-in runner.
 
-Backends differ in how they probe, which capability row they pick, which torch device they run
-on, how they guard against host syncs and how they report memory; the vision path itself is this
-one class, configured by the RunPlan. A vendor runner subclasses it and overrides those hooks —
-never copies it.
+Backends differ in how they probe, which capability row they pick and which torch device they
+run on; what the device itself offers (memory queries, pinned staging, graphs, peak-memory
+profiling, the sync guard) is the device API registered for that torch device type
+(device_api.py). The vision path itself is this one class, configured by the RunPlan. A vendor
+runner subclasses it and overrides those hooks — never copies it.
 
 The runner is the device; the model is a family (models/interface.py) it holds once loaded and
 reaches only through the family's hooks. The plan is resolved for the family's declared
@@ -23,13 +24,13 @@ import torch
 from .engine.step import KVCacheSpec, StepBatch
 from .fallbacks import fallback_notes
 from .capabilities import capability_table
+from .device_api import DeviceAPI, device_api_for
 from .models.interface import CheckpointError, ModelFamily
 from .models.registry import DEFAULT_FAMILY, detect_family, get_family
 from .ops.attention.varlen import get_backend, kernel_facts
 from .ops.attention.paged import PAGED_ATTENTION_BACKENDS, get_paged_backend
 from .plan import CapabilityRow, Component, GridSource, PlanError, PlanRequest, RunPlan, resolve_for_components
 from .runner import DeviceRunner, GraphReport, ImageBatch
-from .sync_guard import HostSyncGuard, cuda_host_sync_guard
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,7 @@ class TorchRunner(DeviceRunner):
         if self.device.type == "cpu":
             raise RuntimeError(f"{self.name}: on the host a device->host transfer moves nothing and cannot be "
                                "seen; guard runner.sync_check_runner() instead (its device tensors live on meta)")
-        if self.device.type == "cuda":      # CUDA, and MACA builds that expose their card as cuda
-            return cuda_host_sync_guard()
-        return HostSyncGuard(watch={self.device.type})
+        return self.device_api.sync_guard()
 
     def sync_check_runner(self) -> "TorchRunner":
         """The runner the no-sync proof runs on. On an accelerator: this runner. On a host device:
@@ -73,20 +72,16 @@ class TorchRunner(DeviceRunner):
         return twin
 
     def memory_stats(self) -> dict:
-        """CUDA-style devices: torch's caching allocator; elsewhere: the process's peak RSS."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return {"device": str(self.device), "allocated_bytes": torch.cuda.memory_allocated(self.device),
-                    "peak_bytes": torch.cuda.max_memory_allocated(self.device),
-                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "free_bytes": free,
-                    "total_bytes": total, "kind": "torch caching allocator"}
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"device": str(self.device), "peak_bytes": peak, "kind": "host RSS (peak)"}
+        """The device API's: torch's caching allocator on CUDA-style devices, the process's peak
+        RSS on the host."""
+        return self.device_api.memory_stats()
+
+    def device_memory(self):
+        return self.device_api.memory()
 
     def capture_graphs(self) -> GraphReport:
         """Encoder graphs as the plan asks (the plan only turns them on for rows whose device
-        can capture them: CUDA, and MetaX's CUDA-compatible MACA)."""
+        can capture them: CUDA, and MetaX's CUDA-compatible MACA; the device API captures)."""
         if not self.plan.graphs.value:
             return GraphReport(captured=0, reason=self.plan.graphs.reason)
         self._require_model()
@@ -139,6 +134,12 @@ class TorchRunner(DeviceRunner):
         self.row = row or capability_table()[plan.row]
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
+        self.device_api: DeviceAPI = device_api_for(self.device)
+        # the step paths call these per step: the device API's bound methods, not a forwarding call
+        self.pin_host, self.upload = self.device_api.pin, self.device_api.upload
+        self.memory_query = self.device_api.memory_query()
+        log.info("device API %s for %s; memory query: %s (%s)", self.device_api.name, self.device,
+                 "yes" if self.memory_query.value else "none", self.memory_query.reason)
         self.family = family or get_family(DEFAULT_FAMILY)
         self._replan = replan
         self.model = None
@@ -226,6 +227,7 @@ class TorchRunner(DeviceRunner):
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
         self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),
                                    block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,
+                                   device_api=self.device_api,
                                    image_token_id=self.family.image_token_id(self.cfg),
                                    position_rows=self.family.position_rows)
 
@@ -304,8 +306,8 @@ class TorchRunner(DeviceRunner):
         return pv, self.family.check_pixels(self.cfg, pv, batch.grid_thw)
 
     def upload_pixels(self, pv: torch.Tensor) -> torch.Tensor:
-        if pv.device != self.device and self.device.type == "cuda" and pv.device.type == "cpu":
-            pv = pv.pin_memory()
+        if pv.device != self.device and pv.device.type == "cpu":
+            pv = self.device_api.pin(pv)
         return pv.to(self.device, non_blocking=True).to(self.dtype).reshape(pv.shape[0], -1)
 
     def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:

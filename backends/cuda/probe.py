@@ -13,8 +13,8 @@ CUDA. Family: ``cuda_sm<major><minor>`` (cc 9.0 -> ``cuda_sm90``). Never raises.
 # ruff: noqa: BLE001, S110
 from __future__ import annotations
 
-from fastdeploy_ext.platforms import (DeviceInfo, ProbeResult, c_text, devices_text, error_text, import_quietly,
-                                      torch_cuda_view)
+from backends.torch_cuda import torch_cuda_view
+from fastdeploy_ext.platforms import DeviceInfo, ProbeResult, c_text, devices_text, error_text, import_quietly
 
 __all__ = ["cuda_family", "nvml_utilization_reader", "probe_nvidia"]
 

@@ -1,6 +1,7 @@
-"""NVIDIA runner: probes through NVML (probe.py), picks the row by compute capability. The
-CUDA-style sync guard (torch.cuda.set_sync_debug_mode('error') + the op-level guard), memory
-stats and encoder graphs are the shared TorchRunner's, chosen by the torch device type."""
+"""NVIDIA runner: probes through NVML (probe.py), picks the row by compute capability. What the
+framework asks of the device (memory, pinned staging, graphs, profiling, the CUDA-style sync
+guard: torch.cuda.set_sync_debug_mode('error') + the op-level guard) is device_api.py's
+CudaDeviceAPI, registered for torch's ``cuda`` device type when this module is imported."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from fastdeploy_ext.plan import CapabilityRow
 from fastdeploy_ext.torch_runner import TorchRunner
 
+from . import device_api  # noqa: F401 - registers the CUDA device API
 from .probe import nvml_utilization_reader, probe_nvidia
 
 
@@ -30,9 +32,6 @@ class CudaRunner(TorchRunner):
             raise RuntimeError(f"cuda: NVML sees {len(probe.devices)} GPU(s) but this torch build cannot use CUDA "
                                f"(torch {torch.__version__}, torch.version.cuda={torch.version.cuda})")
         return torch.device("cuda", 0)
-
-    def device_memory(self):
-        return torch.cuda.mem_get_info(self.device)
 
     def utilization_reader(self):
         return nvml_utilization_reader(self.device.index or 0)

@@ -42,7 +42,9 @@ import ctypes
 from typing import Any
 
 from fastdeploy_ext.platforms import (DeviceInfo, ProbeResult, c_text, devices_text, error_text, import_quietly,
-                                      never_raises, slug, torch_cuda_view)
+                                      never_raises, slug)
+
+from backends.torch_cuda import torch_cuda_view
 
 __all__ = ["MACA_VERSION_BUFFER_SIZE", "metax_family", "probe_metax"]
 

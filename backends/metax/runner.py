@@ -9,6 +9,10 @@ Emulation (``emulation()``, asked for by the conformance suite when no card is f
 ``FD_EMULATE=metax``): a fake pymxsml mirroring MetaX's binding (fake_pymxsml.py) is installed
 for the probe; the runner then executes its own code and row on whatever torch device exists
 (the CPU here, the GPU of the NVIDIA test machine) and every report says EMULATED.
+
+Memory, pinned staging, graphs and the sync guard are the device API of the torch device
+(fastdeploy_ext/device_api.py): on a real card, or emulated on an NVIDIA GPU, that device is
+``cuda`` and the CUDA backend's API serves it; emulated on the host it is the host's.
 """
 from __future__ import annotations
 
@@ -56,10 +60,6 @@ class MetaxRunner(TorchRunner):
         if probe.emulated:
             return torch.device("cpu")
         raise RuntimeError("metax: pymxsml sees a card but torch cannot reach it (is this the MACA torch build?)")
-
-    def device_memory(self):
-        """MACA's torch answers the CUDA query for its card; the emulated (host) device has none."""
-        return torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
 
     def memory_stats(self) -> dict:
         stats = super().memory_stats()

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import BenchError
+from ..device_api import device_api_for
 from .timing import call_times_ms
 
 WORKLOADS: dict[str, list[int]] = {
@@ -55,7 +56,7 @@ D = 72
 
 def _time_ms(fn, warmup: int, iters: int) -> tuple[float, list[float]]:
     """Median of per-call CUDA-event times (ms), and the times."""
-    times = call_times_ms(fn, warmup, iters)
+    times = call_times_ms(fn, warmup, iters, device_api_for("cuda"))
     return statistics.median(times), times
 
 

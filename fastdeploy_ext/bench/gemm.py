@@ -122,7 +122,7 @@ def run_cli(args) -> int:
     except (PlanError, RuntimeError, ValueError) as e:
         raise BenchError(str(e)) from None
     device, dtype = runner.device, runner.dtype
-    from ..models.paddleocr_vl.loader import CheckpointError
+    from ..models.interface import CheckpointError
     try:
         (ModelSource(args.model, "auto", "auto") if args.model else ModelSource(None, "dummy", "auto")).load_into(runner)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
@@ -140,7 +140,7 @@ def run_cli(args) -> int:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 w = torch.randn(n, k, device=device, dtype=dtype)
                 b = torch.randn(n, device=device, dtype=dtype)
-                ms = median_ms(lambda: F.linear(x, w, b), args.warmup, args.iters, device.type)
+                ms = median_ms(lambda: F.linear(x, w, b), args.warmup, args.iters, runner.device_api)
                 rates[name] = 2.0 * m * k * n / (ms / 1000) / 1e12
             res["ceiling"][m] = {"per_shape_tflops": rates, "weighted_tflops": weighted_ceiling(rates, m, shapes)}
             print(f"  ceiling M={m:<6} " + "  ".join(f"{n} {r:6.2f}" for n, r in rates.items())
@@ -150,7 +150,7 @@ def run_cli(args) -> int:
         n_tok = sum(t * h * w for t, h, w in grids)
         pixels = runner.upload_pixels(torch.randn(n_tok, 3, 14, 14))
         call = lambda: runner.encode_uploaded(pixels, grids)  # noqa: E731
-        total_ms = median_ms(call, args.warmup, args.iters, device.type)
+        total_ms = median_ms(call, args.warmup, args.iters, runner.device_api)
         ops = _profile_ops(call)
         gemm_ms = sum(ops.get(k, 0.0) for k in GEMM_OPS)
         attn_ms = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)

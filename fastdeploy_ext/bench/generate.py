@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..device_api import DeviceAPI, device_api_for
 from ..engine.config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import RepetitionGuard, SamplingParams
@@ -151,30 +152,23 @@ class GpuBusySampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _reset_peak(api: DeviceAPI) -> None:
+    if api.allocator_stats:
+        api.reset_peak_allocated()
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _peak(api: DeviceAPI) -> int | None:
+    """Peak bytes since _reset_peak where the allocator reports it; the process's peak RSS on the host."""
+    return api.peak_allocated_bytes() if api.allocator_stats else api.memory_stats().get("peak_bytes")
 
 
 def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -> dict:
     """All requests submitted at once (preprocessing in the pool); wall time to the last token,
     first-token time of the earliest request, token ids per request, and where the wall time
     went (see `_stages`)."""
-    device = torch.device(getattr(engine.runner, "device", "cpu"))
-    _sync(device)
-    _reset_peak(device)
+    api = device_api_for(getattr(engine.runner, "device", "cpu"))
+    api.synchronize()
+    _reset_peak(api)
     params = bench_params(tokens)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(images))]
     done = {}
@@ -211,7 +205,7 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     firsts = [o.metrics.first_token for o in done.values() if o.metrics.first_token is not None]
     return {"wall_s": wall, "ttft_s": min(firsts) - t0_epoch if firsts else None, "requests": len(images),
             "output_tokens": n_out, "requests_per_s": len(images) / wall, "output_tokens_per_s": n_out / wall,
-            "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(device),
+            "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(api),
             "stages": _stages(before, engine.stats(), step_s, wall),
             "token_ids": [done[r].token_ids for r in ids],
             "kv_blocks_used_after": engine.block_manager.num_used}
@@ -251,6 +245,7 @@ class TransformersReference:
             self.model = PaddleOCRVLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.same_weights = model_dir is not None
         self.device, self.engine = device, engine
+        self.api = device_api_for(device)
 
     def _inputs(self, images: list[bytes], prompt: str):
         """Same prompt ids and pixels as ours (our processor equals transformers' PIL one); left
@@ -270,12 +265,12 @@ class TransformersReference:
                     image_grid_thw=grid.to(d), mm_token_type_ids=mm.to(d))
 
     def generate(self, images: list[bytes], prompt: str, tokens: int) -> tuple[float, list[list[int]]]:
-        _sync(self.device)
+        self.api.synchronize()
         t0 = time.perf_counter()
         inputs = self._inputs(images, prompt)
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        _sync(self.device)
+        self.api.synchronize()
         dt = time.perf_counter() - t0
         n = inputs["input_ids"].shape[1]
         return dt, out[:, n:].tolist()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..ops.norm import add_layer_norm
 from ..ops.rotary import rotary_in_place, rotary_qk_in_place
 from . import BenchError
+from ..device_api import device_api_for
 from .timing import median_ms
 
 HIDDEN, INTER, HEADS, HEAD_DIM = 1152, 4304, 16, 72
@@ -36,7 +37,7 @@ def _time_device(fn, reps: int = 10, iters: int = 10) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
-    return median_ms(g.replay, 2, iters) / reps
+    return median_ms(g.replay, 2, iters, device_api_for("cuda")) / reps
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -120,7 +121,8 @@ def run(tokens: list[int], iters: int, warmup: int, pad_to: int) -> list[dict]:
             (f"MLP half, width {inter_p}", aten_mlp_half, lambda: ours_mlp_half(w1p, b1p, w2p)),
         ]
         for name, ref_fn, our_fn in cases:
-            t_ref, t_our = median_ms(ref_fn, warmup, iters), median_ms(our_fn, warmup, iters)
+            cuda = device_api_for("cuda")
+            t_ref, t_our = median_ms(ref_fn, warmup, iters, cuda), median_ms(our_fn, warmup, iters, cuda)
             d_ref, d_our = _time_device(ref_fn), _time_device(our_fn)
             err = None
             if "rotary" in name:

@@ -23,8 +23,8 @@ from .timing import median_ms
 
 log = logging.getLogger(__name__)
 
-#: the released PaddleOCR-VL checkpoint's preprocessor settings (DESIGN.md section 4)
-RELEASED = dict(min_pixels=147384, max_pixels=2822400, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+#: the family whose transformers processors are the references (its processor is ours)
+REFERENCE_FAMILY = "paddleocr_vl"
 
 
 def add_arguments(p) -> None:
@@ -40,8 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json-out", default=None)
 
 
-def _parse(args):
-    from ..models.paddleocr_vl.preprocess_pool import default_workers
+def _parse(args, family):
     try:
         h, w = (int(x) for x in args.size.lower().split("x"))
         if h <= 0 or w <= 0:
@@ -58,7 +57,8 @@ def _parse(args):
         if not workers or any(n < 1 for n in workers):
             raise BenchError(f"--workers must be positive integers, got {args.workers!r}")
     else:
-        workers = sorted({1, default_workers()})
+        with family.preprocess_pool(family.released_image_processor()) as pool:   # no thread starts before a submit
+            workers = sorted({1, pool.workers})
     return (h, w), workers
 
 
@@ -82,15 +82,15 @@ def _references(kw: dict) -> dict:
 def run_cli(args) -> int:
     from PIL import Image
 
-    from ..models.paddleocr_vl.preprocess_pool import PreprocessPool
-    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+    from ..models.registry import get_family
 
-    (h, w), workers = _parse(args)
-    cfg = PreprocessorConfig.from_model_dir(args.model) if args.model else PreprocessorConfig.from_dict(RELEASED)
+    family = get_family(REFERENCE_FAMILY)
+    (h, w), workers = _parse(args, family)
+    proc = family.image_processor(args.model) if args.model else family.released_image_processor()
+    cfg = proc.cfg
     kw = dict(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, image_mean=list(cfg.image_mean),
               image_std=list(cfg.image_std), patch_size=cfg.patch_size, merge_size=cfg.merge_size,
               temporal_patch_size=cfg.temporal_patch_size)
-    proc = ImageProcessor(cfg)
     rng = np.random.default_rng(1)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(args.images)]
     n = len(images)
@@ -117,11 +117,11 @@ def run_cli(args) -> int:
 
     for nw in workers:
         if nw == 1:
-            ms = median_ms(lambda: [proc.preprocess(im) for im in images], args.warmup, args.iters, "cpu")
+            ms = median_ms(lambda: [proc.preprocess(im) for im in images], args.warmup, args.iters)
             record("ours", "serial", 1, ms)
         else:
-            with PreprocessPool(proc, nw) as pool:
-                ms = median_ms(lambda: pool.map(images), args.warmup, args.iters, "cpu")
+            with family.preprocess_pool(proc, nw) as pool:
+                ms = median_ms(lambda: pool.map(images), args.warmup, args.iters)
             record("ours", "thread-pool", nw, ms)
     for name, ref in refs.items():
         if isinstance(ref, str):
@@ -131,13 +131,13 @@ def run_cli(args) -> int:
         for nw in workers:
             try:
                 torch.set_num_threads(nw)
-                ms = median_ms(lambda: ref(images=images, return_tensors="pt"), args.warmup, args.iters, "cpu")
+                ms = median_ms(lambda: ref(images=images, return_tensors="pt"), args.warmup, args.iters)
                 record(name, "torch-threads", nw, ms)
                 if nw > 1:
                     torch.set_num_threads(1)
                     with ThreadPoolExecutor(nw) as ex:
                         ms = median_ms(lambda: list(ex.map(lambda im: ref(images=[im], return_tensors="pt"), images)),
-                                       args.warmup, args.iters, "cpu")
+                                       args.warmup, args.iters)
                     record(name, "thread-pool", nw, ms)
             finally:
                 torch.set_num_threads(torch_threads0)

@@ -400,12 +400,12 @@ def write_random_model_dir() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration
 
-    from ..models.paddleocr_vl.config import PaddleOCRVLConfig as OurConfig
-    from ..models.paddleocr_vl.tokenizer import DEFAULT_CHAT_TEMPLATE, builtin_special_tokens
+    from ..models.registry import detect_family
     path = tempfile.mkdtemp(prefix="fdx-bench-serve-")
     torch.manual_seed(0)
     PaddleOCRVLForConditionalGeneration(PaddleOCRVLConfig()).eval().save_pretrained(path)
-    specials = builtin_special_tokens(OurConfig.from_model_dir(path))
+    family = detect_family(path).family
+    specials = family.builtin_special_tokens(family.read_config(path))
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     taken = set(specials.values())
     ids = (i for i in range(3, 10 ** 6) if i not in taken)
@@ -418,6 +418,6 @@ def write_random_model_dir() -> str:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(DEFAULT_CHAT_TEMPLATE)
+        f.write(family.default_chat_template())
     log.info("random 0.9B checkpoint with a byte-level tokenizer written to %s (both sides load it)", path)
     return path

@@ -42,19 +42,18 @@ class Reference:
     def __init__(self, model_dir: str, device: str, dtype: str, max_batch: int):
         from transformers import PaddleOCRVLForConditionalGeneration
 
-        from ..models.paddleocr_vl.config import PaddleOCRVLConfig
-        from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
-        from ..models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
+        from ..models.registry import detect_family
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.device = torch.device(device)
         self.model = PaddleOCRVLForConditionalGeneration.from_pretrained(model_dir, dtype=dt).to(self.device).eval()
-        self.cfg = PaddleOCRVLConfig.from_model_dir(model_dir)
-        self.tokenizer, self.template = load_tokenizer(model_dir, self.cfg), load_chat_template(model_dir)
-        self.processor = ImageProcessor(PreprocessorConfig.from_model_dir(model_dir))
+        # our side's family hooks read the same dir: same prompt ids and pixels on both servers
+        self.family = detect_family(model_dir).family
+        self.cfg = self.family.read_config(model_dir)
+        self.tokenizer, self.template = self.family.load_tokenizer(model_dir, self.cfg)
+        self.processor = self.family.image_processor(model_dir)
         self.max_batch = max_batch
 
     def prepare(self, body: dict):
-        from ..models.paddleocr_vl.prompt import build_prompt
         messages, images = [], []
         for m in body["messages"]:
             content = m["content"]
@@ -69,8 +68,8 @@ class Reference:
                         parts.append({"type": "text", "text": p["text"]})
                 content = parts
             messages.append({"role": m["role"], "content": content})
-        p = build_prompt(self.tokenizer, self.template, self.cfg, messages=messages,
-                         image_grids=[tuple(im.grid_thw) for im in images])
+        p = self.family.build_prompt(self.tokenizer, self.template, self.cfg, messages=messages,
+                                     image_grids=[tuple(im.grid_thw) for im in images])
         return list(p.token_ids), images
 
     def generate(self, batch: list, on_step) -> None:

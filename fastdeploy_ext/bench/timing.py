@@ -1,35 +1,22 @@
-"""Timing shared by the benchmarks: per-call times in ms, from CUDA events on a GPU (what the
-stream spent between the two events) and from perf_counter elsewhere. Nothing here asserts a time."""
+"""Timing shared by the benchmarks: per-call times in ms from the device API's timer (CUDA
+events on a GPU: what the stream spent between the two events; perf_counter on the host).
+Nothing here asserts a time."""
 from __future__ import annotations
 
 import statistics
-import time
 
-import torch
+from ..device_api import DeviceAPI, device_api_for
 
 
-def call_times_ms(fn, warmup: int, iters: int, device_type: str = "cuda") -> list[float]:
-    """fn run `warmup` times untimed, then `iters` times, each timed on its own."""
-    cuda = device_type == "cuda"
+def call_times_ms(fn, warmup: int, iters: int, api: DeviceAPI | None = None) -> list[float]:
+    """fn run `warmup` times untimed, then `iters` times, each timed on its own by ``api``
+    (None: the host's)."""
+    api = api or device_api_for("cpu")
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
-    return times
+    api.synchronize()
+    return [api.time_ms(fn) for _ in range(iters)]
 
 
-def median_ms(fn, warmup: int, iters: int, device_type: str = "cuda") -> float:
-    return statistics.median(call_times_ms(fn, warmup, iters, device_type))
+def median_ms(fn, warmup: int, iters: int, api: DeviceAPI | None = None) -> float:
+    return statistics.median(call_times_ms(fn, warmup, iters, api))

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..device_api import DeviceAPI
 from ..plan import PlanError, PlanRequest
 from ..runner import ModelSource, choose_device
 from . import BenchError
@@ -97,24 +98,25 @@ def options_from_args(ns: argparse.Namespace) -> VisionBenchOptions:
 
 
 class Timer:
-    """Median wall time of fn: CUDA events on a GPU, perf_counter elsewhere."""
+    """Median time of fn by the device API's timer (CUDA events on a GPU, perf_counter on the host)."""
 
-    def __init__(self, device: torch.device, warmup: int, iters: int):
-        self.device, self.warmup, self.iters = device, warmup, iters
+    def __init__(self, api: DeviceAPI, warmup: int, iters: int):
+        self.api, self.warmup, self.iters = api, warmup, iters
 
     def __call__(self, fn) -> float:
-        return median_ms(fn, self.warmup, self.iters, self.device.type)
+        return median_ms(fn, self.warmup, self.iters, self.api)
 
 
-def _reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def _reset_peak(api: DeviceAPI) -> None:
+    if api.allocator_stats:
+        api.synchronize()
+        api.empty_cache()
+        api.reset_peak_allocated()
 
 
-def _peak_gib(device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+def _peak_gib(api: DeviceAPI) -> float | None:
+    """Peak allocated GiB since _reset_peak, where the allocator reports it."""
+    return api.peak_allocated_bytes() / 2**30 if api.allocator_stats else None
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -156,8 +158,8 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
             print(f"variant {v.name}: skipped on this device: {e}")
             continue
         source.load_into(runner)
-        device = runner.device
-        timer = timer or Timer(device, opts.warmup, opts.iters)
+        api = runner.device_api
+        timer = timer or Timer(api, opts.warmup, opts.iters)
         report = runner.capture_graphs()
         print(f"\n== {v.name}: attention={runner.plan.attention.value} qkv={runner.plan.qkv_layout.value} "
               f"grid={runner.plan.grid_thw.value} "
@@ -171,9 +173,9 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
             grids = WORKLOADS[w]
             encode = partial(runner.encode_uploaded, runner.upload_pixels(inputs_cpu[w]), grids)
             encode()
-            _reset_peak(device)
+            _reset_peak(api)
             ms = timer(encode)
-            peak = _peak_gib(device)
+            peak = _peak_gib(api)
             out = torch.cat(encode())
             cos = _cosine(out, reference_out[w]) if w in reference_out else None
             row = {"workload": w, "variant": v.name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
@@ -183,7 +185,7 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
             if runner.graphs is not None:
                 row["graph_stats"] = {"hits": runner.graphs.stats.hits, "fallbacks": runner.graphs.stats.fallbacks}
             if opts.profile:
-                row["profile"] = profile_kernels(encode, device, opts.profile)
+                row["profile"] = profile_kernels(encode, api, opts.profile)
             results.append(row)
             sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
             pk = f"peak {peak:6.2f} GiB" if peak is not None else ""
@@ -193,8 +195,7 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
         # pool are freed before the next variant's peak memory is measured
         del runner, encode
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        api.empty_cache()
 
     _print_table(results, workloads)
     if opts.json_out:
@@ -203,25 +204,25 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
     return 0
 
 
-def profile_kernels(fn, device: torch.device, top: int) -> list[dict]:
-    """Per-kernel device time of one call of fn (torch.profiler), the `top` most expensive,
-    printed and returned: the breakdown behind a gap."""
+def profile_kernels(fn, api: DeviceAPI, top: int) -> list[dict]:
+    """Per-kernel device time of one call of fn (torch.profiler, with the device API's profiler
+    activity; CPU self time on the host), the `top` most expensive, printed and returned: the
+    breakdown behind a gap."""
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    device_activity = api.profiler_activity
+    acts = [ProfilerActivity.CPU] + ([device_activity] if device_activity is not None else [])
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    api.synchronize()
     with profile(activities=acts) as prof:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    key = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        api.synchronize()
+    key = "device_time_total" if device_activity is not None else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     events.sort(key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1.0
     rows = [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1000, "share": getattr(e, key) / total}
             for e in events[:top]]
-    print(f"    profile ({'device' if device.type == 'cuda' else 'cpu self'} time, top {top}):")
+    print(f"    profile ({'device' if device_activity is not None else 'cpu self'} time, top {top}):")
     for r in rows:
         print(f"      {r['ms']:8.3f} ms {r['share'] * 100:5.1f}% x{r['calls']:<5} {r['name']}")
     return rows
@@ -235,9 +236,9 @@ def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> l
     for w in workloads:
         call = partial(ref, inputs_cpu[w].to(runner.device, runner.dtype),
                        torch.tensor(WORKLOADS[w], dtype=torch.int64, device=runner.device))
-        _reset_peak(runner.device)
+        _reset_peak(runner.device_api)
         ms = timer(call)
-        peak = _peak_gib(runner.device)
+        peak = _peak_gib(runner.device_api)
         reference_out[w] = call().float()
         ref_ms[w] = ms
         rows.append({"workload": w, "variant": "transformers", "ms": ms, "peak_gib": peak, "speedup_vs_ref": 1.0})

@@ -143,3 +143,24 @@ class ModelFamily(ABC):
     @abstractmethod
     def encoder_matmul_shapes(self, cfg: Any, tokens: int) -> tuple[tuple[int, int, int], ...]:
         """(m, k, n) of the encoder's GEMMs on ``tokens`` patches (backends probe their BLAS with it)."""
+
+    # --- benchmarks
+    # Not abstract: only a family the benchmarks compare against a reference implements them.
+    def released_image_processor(self) -> Any:
+        """The image processor with the released checkpoint's preprocessor settings (``bench
+        preprocess`` without --model: what its transformers references are compared at)."""
+        raise NotImplementedError(f"model family {self.name}: no released preprocessor settings")
+
+    def preprocess_pool(self, processor: Any, workers: int | None = None) -> Any:
+        """Threads running ``processor.preprocess`` (None: one per usable core): a context
+        manager with ``workers`` and ``map(images)`` (results in input order)."""
+        raise NotImplementedError(f"model family {self.name}: no preprocess pool")
+
+    def builtin_special_tokens(self, cfg: Any) -> dict[str, int]:
+        """Special token -> id as ``cfg`` numbers them (``bench serve`` writes a tokenizer for
+        random weights with them)."""
+        raise NotImplementedError(f"model family {self.name}: no built-in special tokens")
+
+    def default_chat_template(self) -> str:
+        """The chat template used when a model directory ships none."""
+        raise NotImplementedError(f"model family {self.name}: no default chat template")

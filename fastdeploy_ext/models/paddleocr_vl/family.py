@@ -104,6 +104,27 @@ class PaddleOCRVLFamily(ModelFamily):
                 (tokens, h, inter), (tokens, inter, h), (merged, h * m2, h * m2),
                 (merged, h * m2, cfg.text.hidden_size))
 
+    # --- benchmarks
+    def released_image_processor(self):
+        from .processor import ImageProcessor, PreprocessorConfig
+        return ImageProcessor(PreprocessorConfig.from_dict(RELEASED_PREPROCESSOR, source="released checkpoint"))
+
+    def preprocess_pool(self, processor, workers=None):
+        from .preprocess_pool import PreprocessPool
+        return PreprocessPool(processor, workers)
+
+    def builtin_special_tokens(self, cfg):
+        from .tokenizer import builtin_special_tokens
+        return builtin_special_tokens(cfg)
+
+    def default_chat_template(self) -> str:
+        from .tokenizer import DEFAULT_CHAT_TEMPLATE
+        return DEFAULT_CHAT_TEMPLATE
+
+
+#: the released PaddleOCR-VL checkpoint's preprocessor settings (DESIGN.md section 4)
+RELEASED_PREPROCESSOR = dict(min_pixels=147384, max_pixels=2822400, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
 
 class BudgetBuffers:
     """The static inputs of an encoder graph captured at ``tokens`` patches: pixels, position
