@@ -16,7 +16,7 @@ import math
 import re
 import reprlib
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
@@ -159,7 +159,7 @@ class ImagePart(_Strict):
 
     @model_validator(mode="after")
     def _payload(self) -> "ImagePart":
-        url = image_payload(self.model_dump(exclude_none=True))      # MessageError is a ValueError
+        url = image_payload(self.model_dump(exclude_none=True), "this part")   # MessageError: a ValueError
         if not isinstance(url, str):
             raise ValueError(f"a {self.type!r} part needs its image URL")
         extra = {"image_url", "image"} - {"image" if self.type == "image" else "image_url"}
@@ -172,7 +172,7 @@ class ImagePart(_Strict):
         return image_payload(self.model_dump(exclude_none=True))
 
 
-ContentPart = Union[TextPart, ImagePart]
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]   # errors name the part type
 
 
 class ChatMessage(_Strict):
