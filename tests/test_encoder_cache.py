@@ -225,3 +225,37 @@ def test_positions_of_the_wrong_rows_are_refused_naming_the_contract(monkeypatch
     proc = InputProcessor(builder, ImageProcessor(TINY_PP), InputLimits(1, 65536, 96))
     with pytest.raises(InvalidRequest, match=r"prompt builder: positions must be \[1, \d+\], got \[3, \d+\]"):
         proc.process({"prompt": "x", "images": [pil(0)]})
+
+
+def test_placeholder_runs_that_disagree_with_the_encoder_outputs_are_refused(monkeypatch):
+    monkeypatch.setattr(FakePromptBuilder, "output_sizes", lambda self, grids: [n + 1 for n in
+                                                                               (t * h * w // 4 for t, h, w in grids)])
+    proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, 65536, 96))
+    with pytest.raises(InvalidRequest, match=r"placeholder runs of \[4\] tokens for images of \[5\] embeddings"):
+        proc.process({"prompt": "x", "images": [pil(0)]})
+
+
+def test_an_item_run_outside_the_prompt_is_refused(monkeypatch):
+    real = FakePromptBuilder.build
+
+    def shifted(self, messages, grids):          # runs of the right length at the wrong place
+        p = real(self, messages, grids)
+        p.image_runs = [(len(p.token_ids) - 1, n) for _, n in p.image_runs]
+        return p
+    monkeypatch.setattr(FakePromptBuilder, "build", shifted)
+    proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, 65536, 96))
+    with pytest.raises(InvalidRequest, match=r"prompt builder: item 0: placeholder run \[\d+, \d+\) .* does not fit"):
+        proc.process({"prompt": "x", "images": [pil(0)]})
+
+
+def test_item_runs_that_are_not_the_placeholder_tokens_are_refused(monkeypatch):
+    real = FakePromptBuilder.build
+
+    def moved(self, messages, grids):            # inside the prompt, the right length, one token early
+        p = real(self, messages, grids)
+        p.image_runs = [(o - 1, n) for o, n in p.image_runs]
+        return p
+    monkeypatch.setattr(FakePromptBuilder, "build", moved)
+    proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, 65536, 96))
+    with pytest.raises(InvalidRequest, match=r"placeholder runs \[\(\d+, 4\)\] are not the prompt's image tokens"):
+        proc.process({"prompt": "x", "images": [pil(0)]})

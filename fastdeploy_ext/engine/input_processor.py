@@ -245,7 +245,8 @@ class InputProcessor:
                 images = []
             elif not isinstance(images, (list, tuple)):
                 images = [images]
-            images = [image_source(im.get("url", im.get("image_url", im.get("image"))) if isinstance(im, dict) else im) for im in images]
+            images = [image_source(im.get("url", im.get("image_url", im.get("image"))) if isinstance(im, dict) else im)
+                      for im in images]
             # a raw prompt is the text of one user turn after its images, rendered with the
             # model's chat template (OCR users pass the task, e.g. "OCR:")
             prompt_text = prompt["prompt"]
@@ -295,4 +296,10 @@ class InputProcessor:
             out.validate(builder.position_rows)
         except ValueError as e:           # the family's prompt builder broke the contract
             raise InvalidRequest(f"the model's prompt builder: {e}") from None
+        # the runner puts encoder rows at the placeholder tokens: the runs must be exactly those
+        img = builder.image_token_id
+        if sum(sizes) != sum(1 for t in ids if t == img) or any(ids[i] != img for it in items
+                                                                for i in range(it.offset, it.end)):
+            raise InvalidRequest(f"the model's prompt builder: placeholder runs {runs} are not the prompt's "
+                                 f"image tokens ({img})")
         return out

@@ -1,6 +1,7 @@
 """After each step, on the host: append the sampled token, detokenize incrementally, check the
 stop conditions (eos, stop ids, stop strings, max_tokens, the repetition-loop guard; max_tokens
-is resolved within max_model_len at admission, so it bounds the context too) and build the RequestOutput (outputs.py: deltas, O(new tokens) per output).
+is resolved within max_model_len at admission, so it bounds the context too) and build the
+RequestOutput (outputs.py: deltas, O(new tokens) per output).
 
 Stop strings in streams: while a stop string could still be completing, the last
 max(len(stop)) - 1 characters are held back from delta_text (vLLM's rule), so nothing a stop
