@@ -259,3 +259,16 @@ def test_item_runs_that_are_not_the_placeholder_tokens_are_refused(monkeypatch):
     proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, 65536, 96))
     with pytest.raises(InvalidRequest, match=r"placeholder runs \[\(\d+, 4\)\] are not the prompt's image tokens"):
         proc.process({"prompt": "x", "images": [pil(0)]})
+
+
+# --------------------------------------------------------------------------- the encoder cost budget
+@pytest.mark.parametrize("max_prefill,passes", [(True, [2, 2, 2]), (False, [1, 1, 1, 1, 1, 1])])
+def test_the_step_encoder_cost_stays_within_max_encoder_patches(alone, max_prefill, passes):
+    """Items of 16 + 24 patches against a budget of 30: max prefill admits the first prompt of a
+    step whole (over the budget: it must run) and no second one; chunked mode ends a chunk
+    before the item that would exceed the budget."""
+    runner = FakeRunner()
+    eng = engine(runner, enable_max_prefill=max_prefill, max_encoder_patches=30)
+    outs = run_all(eng, [two_image_prompt(i) for i in range(3)])
+    assert [o.token_ids for o in outs] == alone
+    assert runner.encode_calls == passes
