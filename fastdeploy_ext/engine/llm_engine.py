@@ -113,7 +113,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager, self.encoder_cache)
         self.input_processor = input_processor or self._create_input_processor(runner, config)
         builder = self.input_processor.builder
-        self.position_rows = builder.position_rows
         self.eos_token_ids = tuple(builder.eos_token_ids)
         self.vocab_size = builder.vocab_size
         # The image placeholder is never sampled: re-fed after a preemption it would be taken
