@@ -65,15 +65,13 @@ class ImageBatch:
     """
     pixel_values: torch.Tensor
     grid_thw: list[tuple[int, int, int]]
-    names: list[str] = field(default_factory=list)
 
     @classmethod
     def from_images(cls, images: Sequence) -> "ImageBatch":
-        """From a family processor's images (each with pixel_values, grid_thw and source)."""
+        """From a family processor's images (each with pixel_values and grid_thw)."""
         if not images:
             raise BatchError("empty batch: at least one image is needed")
-        return cls(torch.cat([im.pixel_values for im in images]), [tuple(im.grid_thw) for im in images],
-                   [im.source for im in images])
+        return cls(torch.cat([im.pixel_values for im in images]), [tuple(im.grid_thw) for im in images])
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,14 @@ The fake runner keeps a real paged cache (one float code per KV slot) and comput
 logits from what it reads back through the block table, so a wrong block table, start position,
 chunk boundary, rope position or image row changes the tokens. Its logits are a pure function
 of the sequence's content, so batching, chunking and preemption must not change greedy tokens.
+
+The fake prompt builder speaks the family contract of engine/sequence.py: positions [P, n] with
+P = position_rows (3: mrope-like, 1: 1D rope with rope_delta 0), one placeholder per 2x2
+patches of an image's grid (its embeddings) and an encoder cost of t*h*w.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,11 +29,22 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + (i % 26)) for i in ids if not (skip_special_tokens and i in (BOS, EOS, IMAGE_ID)))
 
 
+@dataclass
+class FakePrompt:
+    token_ids: list[int]
+    positions: torch.Tensor
+    rope_delta: int
+    image_runs: list[tuple[int, int]] = field(default_factory=list)
+
+
 class FakePromptBuilder:
     image_token_id = IMAGE_ID
     eos_token_ids = (EOS,)
     vocab_size = 64
     tokenizer = FakeTokenizer()
+
+    def __init__(self, position_rows: int = 3):
+        self.position_rows = position_rows
 
     def render(self, messages):
         out = "<bos>"
@@ -37,9 +54,16 @@ class FakePromptBuilder:
             out += f"{m['role']}: " + "".join(parts) + "\n"
         return out + "Assistant: "
 
+    def output_sizes(self, grids):
+        return [t * h * w // 4 for t, h, w in grids]
+
+    def encoder_cost(self, grid):
+        t, h, w = grid
+        return t * h * w
+
     def build(self, messages, grids):
         text = self.render(messages)
-        ids, pos = [], []
+        ids, pos, runs = [], [], []
         chunks = text.replace("<bos>", "").split(PLACEHOLDER)
         if len(chunks) - 1 != len(grids):
             raise ValueError(f"{len(chunks) - 1} placeholders for {len(grids)} images")
@@ -53,20 +77,23 @@ class FakePromptBuilder:
                 s += 1
             if k < len(grids):
                 t, h, w = grids[k]
+                runs.append((len(ids), t * (h // 2) * (w // 2)))
                 for i in range(h // 2):
                     for j in range(w // 2):
                         ids.append(IMAGE_ID)
                         pos.append((s, s + i, s + j))
                 s += max(h, w) // 2
         positions = torch.tensor(pos, dtype=torch.int64).T.contiguous()
-        return ids, positions, int(positions.max()) + 1 - len(ids)
+        if self.position_rows == 1:          # 1D rope: a token's position is its index
+            positions = torch.arange(len(ids), dtype=torch.int64)[None]
+        return FakePrompt(ids, positions, int(positions.max()) + 1 - len(ids), runs)
 
 
 class FakeRunner:
     device = torch.device("cpu")
 
-    def __init__(self, vocab: int = 64, block_size: int = 4):
-        self.vocab, self.block_size = vocab, block_size
+    def __init__(self, vocab: int = 64, block_size: int = 4, position_rows: int = 3):
+        self.vocab, self.block_size, self.position_rows = vocab, block_size, position_rows
         self.encode_calls: list[int] = []        # images per vision pass
         self.steps: list[StepBatch] = []
         self.cache = None
@@ -83,6 +110,12 @@ class FakeRunner:
 
     def free_kv_cache(self):
         self.cache = None
+
+    def pin_host(self, t):
+        return t
+
+    def upload(self, t):
+        return t
 
     def encode_images(self, batch):
         self.encode_calls.append(len(batch.grid_thw))
@@ -102,10 +135,12 @@ class FakeRunner:
         rows = []
         for s in step.seqs:
             pos = s.rope_positions if s.rope_positions is not None else \
-                torch.full((3, 1), s.start_pos + s.rope_delta, dtype=torch.int64)
+                torch.full((self.position_rows, 1), s.start_pos + s.rope_delta, dtype=torch.int64)
+            assert pos.shape[0] == self.position_rows, f"rope positions [{pos.shape[0]}, n], not [{self.position_rows}, n]"
             img_rows = iter(s.image_embeds if s.image_embeds is not None else [])
+            weights = (1, 3, 7)[:self.position_rows]
             for j, tok in enumerate(s.token_ids):
-                code = tok * 1000.0 + float(pos[0, j] + 3 * pos[1, j] + 7 * pos[2, j])
+                code = tok * 1000.0 + float(sum(wt * pos[r, j] for r, wt in enumerate(weights)))
                 if tok == IMAGE_ID:
                     code += round(float(next(img_rows).sum()), 6)
                 slot = self._slot(s.block_table, s.start_pos + j)

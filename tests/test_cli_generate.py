@@ -106,7 +106,7 @@ def test_generate_reports_a_failed_image_alone_and_exits_1(refs, monkeypatch, ca
     real = OutputProcessor.append_token
 
     def append_token(self, seq, *a, **kw):
-        if seq.prompt.images and seq.prompt.images[0].source == str(imgs[1]):
+        if seq.prompt.items and seq.prompt.items[0].source == str(imgs[1]):
             raise RuntimeError("injected output failure")
         return real(self, seq, *a, **kw)
     monkeypatch.setattr(OutputProcessor, "append_token", append_token)

@@ -54,7 +54,8 @@ def test_build_prompt_positions_equal_transformers(grids):
     assert p.positions.dtype == torch.int64 and torch.equal(p.positions, pos[:, 0])
     assert p.rope_delta == int(delta) and p.rope_delta < 0
     # the first image token after s text positions is (s, s, s); the last is (s, s+h/2-1, s+w/2-1)
-    s, e = p.image_token_ranges[0]
+    s, n = p.image_runs[0]
+    e = s + n
     _, h, w = grids[0]
     assert p.positions[:, s].tolist() == [s] * 3
     assert p.positions[:, e - 1].tolist() == [s, s + h // 2 - 1, s + w // 2 - 1]
@@ -71,8 +72,8 @@ def test_text_only_prompt_uses_1d_positions():
 def test_prompt_errors_are_clear():
     tok, tmpl = load_tokenizer(None, CFG), load_chat_template(None)
     with pytest.raises(PromptError, match="1 image part"):
-        build_prompt(tok, tmpl, CFG, messages=[{"role": "user", "content": [{"type": "image_url"}]}], image_grids=[])
-    with pytest.raises(PromptError, match="unsupported content part"):
+        build_prompt(tok, tmpl, CFG, messages=[{"role": "user", "content": [{"type": "image"}]}], image_grids=[])
+    with pytest.raises(PromptError, match=r"messages\[0\].content\[0\]: unsupported part type 'audio'"):
         build_prompt(tok, tmpl, CFG, messages=[{"role": "user", "content": [{"type": "audio"}]}])
     with pytest.raises(PromptError, match="needs 8 image tokens"):
         rope_index([5] + [CFG.image_token_id] * 7, CFG.image_token_id, [(1, 4, 8)], 2)

@@ -79,7 +79,7 @@ def make_seq(params, prompt=(1, 5, 6)):
 
 
 def feed(seq, tokens, proc=None):
-    proc = proc or OutputProcessor(FakeTokenizer(), 1000)
+    proc = proc or OutputProcessor(FakeTokenizer())
     for t in tokens:
         proc.append_token(seq, t, None, 0.0)
         if seq.finish_reason is not None:

@@ -261,6 +261,20 @@ def test_openai_client_raises_typed_errors(client, images):
 
 
 # --------------------------------------------------------------------------- lifecycle
+def test_every_json_image_part_type_gives_the_same_answer(client, images):
+    """The server accepts each image part type of the one normalizer (inputs/messages.py) that
+    JSON can carry; greedy output does not depend on how the image was wrapped."""
+    url = data_url(images[0])
+    answers = []
+    for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": url},
+                 {"type": "input_image", "image_url": url}, {"type": "image", "image": url}):
+        r = client.chat.completions.create(model=str(tiny_vl()), max_tokens=6, temperature=0,
+                                           messages=[{"role": "user", "content": [part, {"type": "text", "text": "OCR:"}]}],
+                                           extra_body={"ignore_eos": True})
+        answers.append((r.choices[0].message.content, r.usage.prompt_tokens))
+    assert len(set(answers)) == 1 and answers[0][1] > 10, answers
+
+
 def test_disconnect_frees_kv_blocks(srv, images):
     assert srv.wait_metric("fastdeploy_ext:kv_blocks_used", 0) == 0
     with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
@@ -297,6 +311,11 @@ def test_metrics_on_both_ports(srv, images):
             assert name in text, name
     assert srv.metric("fastdeploy:request_success_total") > 0
     assert httpx.get(f"http://127.0.0.1:{srv.metrics_port}/v1/models", timeout=10).status_code == 404
+    # the encoder cache: max(--max-num-batched-tokens 16384, --max-model-len 4096) rows, empty
+    # between requests, every image encoded into it once
+    assert srv.metric("fastdeploy_ext:encoder_cache_rows_total") == 16384
+    assert srv.wait_metric("fastdeploy_ext:encoder_cache_rows_used", 0) == 0
+    assert srv.metric("fastdeploy_ext:encoder_items_encoded_total") >= 1
 
 
 def test_soak_1000_short_requests_at_16_concurrency(srv, images):

@@ -125,7 +125,7 @@ def test_mm_processor_kwargs_are_checked_before_any_image_work(kwargs, needle):
 
 
 def test_mm_processor_kwargs_cap_broken_on_purpose_builds_the_upscaling_processor(monkeypatch):
-    monkeypatch.setattr(InputLimits, "max_request_pixels", lambda self, patch, merge: 10 ** 12)
+    monkeypatch.setattr(ImageProcessor, "request_pixel_cap", lambda self, max_patches, max_model_len: 10 ** 12)
     p = processor()
     proc = p.processor_for({"min_pixels": 50_000_000})
     assert proc.cfg.min_pixels == 50_000_000                # what the cap stops: a 50 MP upscale

@@ -257,8 +257,8 @@ class TransformersReference:
         for i, p in enumerate(procs):
             ids[i, n - len(p.prompt_token_ids):] = torch.tensor(p.prompt_token_ids)
             mask[i, n - len(p.prompt_token_ids):] = 1
-        pv = torch.cat([im.pixel_values for p in procs for im in p.images])
-        grid = torch.tensor([im.grid_thw for p in procs for im in p.images])
+        pv = torch.cat([it.encoder_inputs for p in procs for it in p.items])
+        grid = torch.tensor([it.grid for p in procs for it in p.items])
         d = self.device
         mm = (ids == self.model.config.image_token_id).int()
         return dict(input_ids=ids.to(d), attention_mask=mask.to(d), pixel_values=pv.to(d, self.model.dtype),

@@ -94,16 +94,17 @@ def reference_greedy_ids(model_dir: Path, image_paths: list[Path], prompt: str, 
     """transformers' greedy `generate`, one request per image, fp32 on the CPU, for the prompt
     our engine builds (same chat template, tokenizer and pixels)."""
     from .tiny_text_model import load_reference
-    from ..engine.input_processor import InputLimits, InputProcessor, ModelPromptBuilder
+    from ..engine.input_processor import FamilyPromptBuilder, InputLimits, InputProcessor
     from ..models.paddleocr_vl.config import PaddleOCRVLConfig
+    from ..models.paddleocr_vl.family import PaddleOCRVLFamily
     from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
     from ..models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
 
-    class _Host:   # what ModelPromptBuilder reads from a runner
+    class _Host:
         cfg = PaddleOCRVLConfig.from_model_dir(model_dir)
-        tokenizer = load_tokenizer(model_dir, cfg)
-        chat_template = load_chat_template(model_dir)
-    proc = InputProcessor(ModelPromptBuilder(_Host), ImageProcessor(PreprocessorConfig.from_model_dir(model_dir)),
+    builder = FamilyPromptBuilder(PaddleOCRVLFamily(), _Host.cfg, load_tokenizer(model_dir, _Host.cfg),
+                                  load_chat_template(model_dir))
+    proc = InputProcessor(builder, ImageProcessor(PreprocessorConfig.from_model_dir(model_dir)),
                           InputLimits(1, 1 << 30, 1 << 30))
     model = load_reference(model_dir)
     out = []
@@ -112,8 +113,8 @@ def reference_greedy_ids(model_dir: Path, image_paths: list[Path], prompt: str, 
         ids = torch.tensor([pp.prompt_token_ids])
         with torch.no_grad():
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 pixel_values=torch.cat([im.pixel_values for im in pp.images]),
-                                 image_grid_thw=torch.tensor([im.grid_thw for im in pp.images]),
+                                 pixel_values=torch.cat([it.encoder_inputs for it in pp.items]),
+                                 image_grid_thw=torch.tensor([it.grid for it in pp.items]),
                                  mm_token_type_ids=(ids == _Host.cfg.image_token_id).int(),
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
         out.append(gen[0, ids.shape[1]:].tolist())

@@ -3,6 +3,7 @@ or by the offline LLM API; every derived choice is a Decision with its reason.""
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -50,7 +51,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     max_model_len: int = 16384
-    max_encoder_patches: int = 65536           # one step's packed vision pass (~6 1080p pages)
+    max_encoder_patches: int = 65536           # one step's encoder work in the family's cost unit
+                                               # (PaddleOCR-VL: patches; 65536 ~ 6 1080p pages)
+    encoder_cache_size: int | None = None      # embedding rows the encoder cache holds; None: see
+                                               # encoder_cache_rows()
     limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 1})
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None         # bytes of KV pool on devices without a free-memory
@@ -71,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        c = self.encoder_cache_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"--encoder-cache-size must be a positive integer, got {c!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         parse_limit_mm(self.limit_mm_per_prompt)
@@ -79,15 +86,35 @@ class EngineConfig:
             raise ValueError(f"--step-timeout must be a positive number of seconds, got {t!r}")
 
     def max_prefill(self) -> Decision:
+        """The admission mode: the one place FD_ENABLE_MAX_PREFILL is read (the server logs this
+        Decision; the scheduler gets its value)."""
         if self.enable_max_prefill is not None:
             return Decision(bool(self.enable_max_prefill), "set in the engine config")
         value = envs.FD_ENABLE_MAX_PREFILL.get()
-        how = "set" if envs.FD_ENABLE_MAX_PREFILL.name in __import__("os").environ else "default for PaddleOCR-VL"
-        return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how})")
+        how = "set" if envs.FD_ENABLE_MAX_PREFILL.name in os.environ else "default for PaddleOCR-VL"
+        mode = ("one packed vision pass per step, whole prompts" if value
+                else "per-request item encoding, chunked prefill")
+        return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how}): {mode}")
+
+    def encoder_cache_rows(self) -> Decision:
+        """Embedding rows of the encoder cache. Default max(--max-num-batched-tokens,
+        --max-model-len): a step's placeholder tokens never exceed it, so the cache never delays
+        a step the token budget allows, and one prompt's items always fit. In max prefill mode a
+        whole prompt's items are encoded and held in one step, so a smaller --encoder-cache-size
+        is raised to --max-model-len (else a prompt with several items could never be admitted).
+        In chunked mode a smaller value stands; an item with more rows is refused at admission."""
+        default = max(self.max_num_batched_tokens, self.max_model_len)
+        if self.encoder_cache_size is None:
+            return Decision(default, f"default: max(--max-num-batched-tokens {self.max_num_batched_tokens}, "
+                                     f"--max-model-len {self.max_model_len})")
+        if self.max_prefill().value and self.encoder_cache_size < self.max_model_len:
+            return Decision(self.max_model_len, f"--encoder-cache-size {self.encoder_cache_size} raised to "
+                                                f"--max-model-len: max prefill holds a whole prompt's items at once")
+        return Decision(self.encoder_cache_size, "--encoder-cache-size")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, max_encoder_patches=self.max_encoder_patches,
+                               max_encoder_cost=self.max_encoder_patches,
                                enable_max_prefill=bool(self.max_prefill().value))
 
 

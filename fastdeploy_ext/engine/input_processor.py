@@ -1,6 +1,15 @@
 """Request preprocessing, run in a worker pool off the step loop: OpenAI-style messages or a raw
-prompt -> chat template -> token ids with the image placeholders expanded, mrope positions and
-rope_delta; images decoded, resized and patchified with their host grid_thw.
+prompt -> the model family's prompt (token ids with each item's placeholders expanded, rope
+positions [P, n], rope_delta, the placeholder runs it made) and the family's image processor's
+host tensors -> a ProcessedPrompt with one MultiModalItem per image.
+
+What is asked of the model side (a family, through :class:`FamilyPromptBuilder`):
+- a prompt builder (:class:`PromptBuilder`);
+- an image processor: ``preprocess(src, max_patches=...)`` -> an object with ``pixel_values``
+  (the host encoder inputs), ``grid_thw`` (the host grid), ``source`` and ``original_size``
+  ((h, w) decoded); optionally ``request_config(kwargs, max_cost=..., max_model_len=...)`` for
+  a request's ``mm_processor_kwargs`` (a config the processor's type is built from;
+  ValueError naming the key). Without it a request with mm_processor_kwargs is refused.
 
 Everything that can be wrong with a request is found here and raised as InvalidRequest, before
 the request is queued.
@@ -9,90 +18,90 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from ..inputs.images import ImageInputError, resolve_source
+from ..inputs.messages import MessageError, NormalizedMessages, normalize_messages
 from .errors import InvalidRequest
-from .sequence import ImageInput, ProcessedPrompt
+from .sequence import MultiModalItem, ProcessedPrompt
+
+
+class BuiltPrompt(Protocol):
+    """What a family's build_prompt returns (models/interface.py)."""
+    token_ids: list[int]
+    positions: torch.Tensor              # int64 [P, len(token_ids)]
+    rope_delta: int
+    image_runs: list[tuple[int, int]]    # (offset, length) of each image's placeholder run
 
 
 class PromptBuilder(Protocol):
-    """The model side of prompt building (models/paddleocr_vl/prompt.py)."""
+    """The model side of prompt building."""
     image_token_id: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    position_rows: int
     tokenizer: Any
 
-    def build(self, messages: list[dict], grids: list[tuple[int, int, int]]) -> tuple[list[int], torch.Tensor, int]:
-        """Chat template over messages whose content parts are {"type": "text"} / {"type": "image"}
-        -> token ids (placeholders expanded to h*w/4 per image), mrope positions [3, n], rope_delta."""
+    def build(self, messages: list[dict], grids: list[tuple[int, ...]]) -> BuiltPrompt:
+        """Chat template over normalized messages ({"type": "text"} / {"type": "image"} parts)."""
+
+    def output_sizes(self, grids: Sequence[tuple[int, ...]]) -> list[int]:
+        """Encoder output rows (= placeholder tokens) per image."""
+
+    def encoder_cost(self, grid: tuple[int, ...]) -> int:
+        """The scheduler's encoder cost of one image."""
 
 
-class ModelPromptBuilder:
-    """PaddleOCR-VL's: the runner's tokenizer and chat template (from the model dir, or the
-    built-in ones with --load-format dummy) and models/paddleocr_vl/prompt.build_prompt."""
+class FamilyPromptBuilder:
+    """A loaded model's prompt side: its family's hooks over its config, tokenizer and chat
+    template (from the model dir, or the family's built-in ones with --load-format dummy)."""
 
-    def __init__(self, runner):
-        cfg = runner.cfg
-        self.cfg, self.tokenizer, self.template = cfg, runner.tokenizer, runner.chat_template
-        if self.tokenizer is None:
-            raise ValueError("the runner has no tokenizer: load the model with with_text=True")
-        self.image_token_id = cfg.image_token_id
-        self.vocab_size = cfg.text.vocab_size
-        eos = getattr(cfg, "eos_token_id", None)
-        eos = getattr(cfg.text, "eos_token_id", 2) if eos is None else eos
-        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    def __init__(self, family, cfg, tokenizer, chat_template):
+        if tokenizer is None:
+            raise ValueError("the model has no tokenizer: load it with with_text=True")
+        self.family, self.cfg, self.tokenizer, self.template = family, cfg, tokenizer, chat_template
+        self.image_token_id = family.image_token_id(cfg)
+        self.vocab_size = family.vocab_size(cfg)
+        self.eos_token_ids = tuple(family.eos_token_ids(cfg))
+        self.position_rows = family.position_rows
+
+    @classmethod
+    def from_runner(cls, runner) -> "FamilyPromptBuilder":
+        return cls(runner.family, runner.cfg, runner.tokenizer, runner.chat_template)
 
     def build(self, messages, grids):
-        from ..models.paddleocr_vl.prompt import build_prompt
-        p = build_prompt(self.tokenizer, self.template, self.cfg, messages=messages, image_grids=grids)
-        return p.token_ids, p.positions, p.rope_delta
+        return self.family.build_prompt(self.tokenizer, self.template, self.cfg, messages=messages, image_grids=grids)
 
+    def output_sizes(self, grids):
+        return self.family.output_sizes(self.cfg, grids)
 
-IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")
+    def encoder_cost(self, grid):
+        return self.family.encoder_cost(self.cfg, grid)
 
 
 def image_source(obj: Any) -> Any:
-    """A message's image (a content part's value, or a bare object) -> what the image processor
-    reads: a path, bytes or a PIL image (fastdeploy_ext/inputs: data: URLs decoded, file:// paths,
-    remote URLs refused)."""
-    if isinstance(obj, dict):
-        obj = obj.get("url", obj.get("image_url", obj.get("image")))
+    """An image payload -> what the image processor reads: a path, bytes or a PIL image
+    (fastdeploy_ext/inputs: data: URLs decoded, file:// paths, remote URLs refused)."""
     try:
         return resolve_source(obj)
     except ImageInputError as e:
         raise InvalidRequest(str(e)) from None
 
 
-def split_messages(messages: Any) -> tuple[list[dict], list[Any]]:
-    """OpenAI-style messages -> (messages with image parts as {"type": "image"}, image sources)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {'role': ..., 'content': ...}")
-    out, images = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise InvalidRequest(f"messages[{i}] must be a dict with 'role' and 'content'")
-        content = m.get("content")
-        if content is None or isinstance(content, str):
-            out.append({"role": m["role"], "content": content or ""})
-            continue
-        if not isinstance(content, list):
-            raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts")
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
-            elif kind in IMAGE_PART_TYPES:
-                images.append(image_source(part.get(kind, part.get("image_url", part.get("url")))))
-                parts.append({"type": "image"})
-            else:
-                raise InvalidRequest(f"messages[{i}].content[{j}]: unsupported part type {kind!r} "
-                                     f"(text, {', '.join(IMAGE_PART_TYPES)})")
-        out.append({"role": m["role"], "content": parts})
-    return out, images
+def split_messages(messages: Any) -> NormalizedMessages:
+    """OpenAI-style messages -> normalized messages and their image payloads (inputs/messages.py),
+    as InvalidRequest when malformed."""
+    try:
+        norm = normalize_messages(messages)
+    except MessageError as e:
+        raise InvalidRequest(str(e)) from None
+    if any(im is None for im in norm.images):
+        k = norm.images.index(None)
+        raise InvalidRequest(f"image part {k} of the messages carries no image (give 'image', 'image_url' or "
+                             f"'image_pil' with it)")
+    return norm
 
 
 # transformers' processor upscales a 1-pixel-wide image to min_pixels of pure interpolation; no
@@ -149,7 +158,7 @@ def _whitespace_before(text: str, n: int) -> int:
 @dataclass
 class InputLimits:
     max_images: int
-    max_encoder_patches: int
+    max_encoder_cost: int          # --max-encoder-patches: one item's encoder cost may not exceed it
     max_model_len: int
 
     @property
@@ -170,41 +179,26 @@ class InputLimits:
                                  f"{self.max_text_bytes} bytes)")
         return n
 
-    def max_request_pixels(self, patch_size: int, merge_size: int) -> int:
-        """The largest resized image a request may ask for with mm_processor_kwargs: one whose
-        patches fit --max-encoder-patches and whose tokens fit --max-model-len."""
-        return min(self.max_encoder_patches * patch_size ** 2, self.max_model_len * (patch_size * merge_size) ** 2)
-
-
-def message_texts(messages: list[dict]) -> list[str]:
-    """The text parts of split_messages' output."""
-    out = []
-    for m in messages:
-        c = m["content"]
-        if isinstance(c, str):
-            out.append(c)
-        else:
-            out.extend(p["text"] for p in c if p.get("type") == "text")
-    return out
-
 
 class InputProcessor:
     def __init__(self, builder: PromptBuilder, image_processor, limits: InputLimits):
         self.builder = builder
         self.image_processor = image_processor
         self.limits = limits
-        self._overridden: dict[tuple, Any] = {}   # (min_pixels, max_pixels) -> processor, a few at most
+        self._overridden: dict[Any, Any] = {}     # request config -> processor, a few at most
 
     def request_preprocessor_config(self, kwargs: Any):
-        """The preprocessor config for a request's ``mm_processor_kwargs`` (min/max_pixels bound
-        the resize, as in vLLM), checked against the server's limits: no image is touched and
-        nothing is built (the server calls it before fetching the request's images)."""
+        """The processor config for a request's ``mm_processor_kwargs`` (PaddleOCR-VL: min/max_pixels
+        bound the resize, as in vLLM), checked against the server's limits by the processor's
+        ``request_config`` hook: no image is touched and nothing is built (the server calls it
+        before fetching the request's images)."""
         if not isinstance(kwargs, dict):
             raise InvalidRequest(f"mm_processor_kwargs must be an object, got {kwargs!r}")
-        from ..models.paddleocr_vl.processor import request_config
-        cfg = self.image_processor.cfg
+        hook = getattr(self.image_processor, "request_config", None)
+        if hook is None:
+            raise InvalidRequest(f"mm_processor_kwargs: this model's image processor takes none, got {kwargs!r}")
         try:
-            return request_config(cfg, kwargs, self.limits.max_request_pixels(cfg.patch_size, cfg.merge_size))
+            return hook(kwargs, max_cost=self.limits.max_encoder_cost, max_model_len=self.limits.max_model_len)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -214,13 +208,12 @@ class InputProcessor:
         if not kwargs:
             return self.image_processor
         cfg = self.request_preprocessor_config(kwargs)
-        key = (cfg.min_pixels, cfg.max_pixels)
-        proc = self._overridden.get(key)
+        proc = self._overridden.get(cfg)
         if proc is None:
             proc = type(self.image_processor)(cfg)
             if len(self._overridden) >= 16:          # bounded: clients choose these values
                 self._overridden.pop(next(iter(self._overridden)), None)
-            self._overridden[key] = proc
+            self._overridden[cfg] = proc
         return proc
 
     def _check_text_tokens(self, texts: list[str]) -> None:
@@ -240,8 +233,9 @@ class InputProcessor:
         if not isinstance(prompt, dict):
             raise InvalidRequest(f"a prompt is a dict with 'messages' or 'prompt', got {type(prompt).__name__}")
         if prompt.get("messages") is not None:
-            messages, images = split_messages(prompt["messages"])
-            prompt_text = None
+            norm = split_messages(prompt["messages"])
+            messages, images = norm.messages, [image_source(im) for im in norm.images]
+            texts, prompt_text = norm.texts, None
         elif isinstance(prompt.get("prompt"), str):
             images = prompt.get("images")
             mm = prompt.get("multi_modal_data") or {}
@@ -251,16 +245,17 @@ class InputProcessor:
                 images = []
             elif not isinstance(images, (list, tuple)):
                 images = [images]
-            images = [image_source(im) for im in images]
+            images = [image_source(im.get("url", im.get("image_url", im.get("image"))) if isinstance(im, dict) else im)
+                      for im in images]
             # a raw prompt is the text of one user turn after its images, rendered with the
             # model's chat template (OCR users pass the task, e.g. "OCR:")
             prompt_text = prompt["prompt"]
             messages = [{"role": "user", "content": [{"type": "image"}] * len(images)
                          + [{"type": "text", "text": prompt_text}]}]
+            texts = [prompt_text]
         else:
             raise InvalidRequest("a prompt needs 'messages' (chat) or 'prompt' (a string)")
-        lim = self.limits
-        texts = message_texts(messages)
+        lim, builder = self.limits, self.builder
         n_bytes = lim.check_counts(len(images), texts)
         image_processor = self.processor_for(prompt.get("mm_processor_kwargs"))
         if n_bytes > lim.max_model_len:     # every token covers >= 1 byte: fewer bytes cannot overflow
@@ -268,47 +263,43 @@ class InputProcessor:
         processed = []
         for k, src in enumerate(images):
             try:
-                processed.append(image_processor.preprocess(src, max_patches=lim.max_encoder_patches))
+                processed.append(image_processor.preprocess(src, max_patches=lim.max_encoder_cost))
             except ValueError as e:       # ImageInputError names the source and the problem
                 raise InvalidRequest(f"image {k}: {e}") from None
-        for k, im in enumerate(processed):
+        grids = [tuple(im.grid_thw) for im in processed]
+        costs = [int(builder.encoder_cost(g)) for g in grids]
+        for k, (im, cost) in enumerate(zip(processed, costs)):
             h, w = im.original_size
             if min(h, w) < MIN_IMAGE_SIDE:
                 raise InvalidRequest(f"image {k} ({im.source}) is {w}x{h} pixels: too small to hold text (each "
                                      f"side needs at least {MIN_IMAGE_SIDE} pixels)")
-            if im.num_patches > lim.max_encoder_patches:
-                raise InvalidRequest(f"image {k} ({im.source}) has {im.num_patches} patches, above "
-                                     f"--max-encoder-patches {lim.max_encoder_patches}")
-        grids = [tuple(im.grid_thw) for im in processed]
+            if cost > lim.max_encoder_cost:
+                raise InvalidRequest(f"image {k} ({im.source}) has an encoder cost of {cost} (patches), above "
+                                     f"--max-encoder-patches {lim.max_encoder_cost}")
         try:
-            ids, positions, rope_delta = self.builder.build(messages, grids)
+            built = builder.build(messages, grids)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        ids = list(built.token_ids)
         if len(ids) >= lim.max_model_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; --max-model-len {lim.max_model_len} leaves no "
                                  "room for output")
-        offsets = _image_offsets(ids, self.builder.image_token_id)
-        m2 = image_processor.cfg.merge_size ** 2
-        if len(offsets) != len(processed) or any(
-                n != im.num_patches // m2 for (_, n), im in zip(offsets, processed)):
-            raise InvalidRequest(f"the prompt has {len(offsets)} image placeholder runs for {len(processed)} images")
-        inputs = [ImageInput(im.pixel_values, tuple(im.grid_thw), off, n, im.source)
-                  for (off, n), im in zip(offsets, processed)]
-        out = ProcessedPrompt(list(ids), positions, int(rope_delta), inputs, prompt_text, time.perf_counter() - t0)
-        out.validate()
+        runs, sizes = list(built.image_runs), builder.output_sizes(grids)
+        if [n for _, n in runs] != list(sizes):
+            raise InvalidRequest(f"the prompt has placeholder runs of {[n for _, n in runs]} tokens for images of "
+                                 f"{list(sizes)} embeddings")
+        items = [MultiModalItem(im.pixel_values, g, off, n, cost, im.source)
+                 for (off, n), im, g, cost in zip(runs, processed, grids, costs)]
+        out = ProcessedPrompt(ids, built.positions, int(built.rope_delta), items, prompt_text,
+                              time.perf_counter() - t0)
+        try:
+            out.validate(builder.position_rows)
+        except ValueError as e:           # the family's prompt builder broke the contract
+            raise InvalidRequest(f"the model's prompt builder: {e}") from None
+        # the runner puts encoder rows at the placeholder tokens: the runs must be exactly those
+        img = builder.image_token_id
+        if sum(sizes) != sum(1 for t in ids if t == img) or any(ids[i] != img for it in items
+                                                                for i in range(it.offset, it.end)):
+            raise InvalidRequest(f"the model's prompt builder: placeholder runs {runs} are not the prompt's "
+                                 f"image tokens ({img})")
         return out
-
-
-def _image_offsets(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of image-placeholder tokens."""
-    runs, i, n = [], 0, len(ids)
-    while i < n:
-        if ids[i] == image_token_id:
-            j = i
-            while j < n and ids[j] == image_token_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs

@@ -1,8 +1,9 @@
 """The synchronous engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
 
-One step = schedule (prefill or decode batch) -> encode the step's images (max prefill: one
-packed vision pass for every request admitted in the step; chunked: per request, once) ->
-runner.execute(StepBatch) -> sample -> append tokens, check stops, free finished requests.
+One step = schedule (prefill or decode batch) -> encode the items the scheduler reserved in the
+encoder cache (max prefill: one packed vision pass for every request admitted in the step;
+chunked: one pass per request, over the items its chunk reaches first) -> runner.execute(StepBatch)
+-> sample -> append tokens, check stops, free finished requests.
 Preprocessing runs in a worker pool (`submit`), so with requests queued the step loop only
 packs ready host tensors. The async server API (async_engine.py) and the offline LLM API
 (entrypoints/llm.py) both drive this class.
@@ -32,13 +33,14 @@ from ..plan import Decision
 from ..runner import ImageBatch
 from .block_manager import BlockManager
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from .encoder_cache import EncoderCache
 from .errors import InvalidRequest
-from .input_processor import InputLimits, InputProcessor, ModelPromptBuilder
+from .input_processor import FamilyPromptBuilder, InputLimits, InputProcessor
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import FinishReason, ProcessedPrompt, Sequence
+from .sequence import FinishReason, ProcessedPrompt, Sequence, SequenceStatus
 from .step import SeqStep, StepBatch
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,11 @@ class EngineStats:
     encoder_graph_hits: int = 0    # packed vision passes replayed from an encoder graph
     encoder_graph_fallbacks: int = 0   # images run eagerly (no captured budget fits them)
     num_failed: int = 0            # requests that failed alone (finish_reason "error")
+    encoder_cache_rows_total: int = 0  # embedding rows the encoder cache holds
+    encoder_cache_rows_used: int = 0   # reserved or stored now
+    encoder_cache_items: int = 0       # items held now
+    encoder_items_encoded: int = 0     # items the encoder produced since start
+    encoder_items_evicted: int = 0     # items dropped before their last chunk (preemption, abort, failure)
 
 
 class LLMEngine:
@@ -98,7 +105,12 @@ class LLMEngine:
             else:
                 log.info("decode graphs: none (%s)", report.reason)
         self.block_manager = BlockManager(num_blocks.value, spec.block_size)
-        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
+        rows = config.encoder_cache_rows()
+        self.encoder_cache = EncoderCache(rows.value)
+        log.info("encoder cache: %d embedding rows (%s)%s", rows.value, rows.reason,
+                 "; an item of more rows is refused" if rows.value < config.max_model_len - 1 else "")
+        self.encoder_cache_decision = rows
+        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager, self.encoder_cache)
         self.input_processor = input_processor or self._create_input_processor(runner, config)
         builder = self.input_processor.builder
         self.eos_token_ids = tuple(builder.eos_token_ids)
@@ -106,7 +118,7 @@ class LLMEngine:
         # The image placeholder is never sampled: re-fed after a preemption it would be taken
         # for an image token (the runner scatters image rows at every placeholder).
         self.never_sample = (builder.image_token_id,) if builder.image_token_id < builder.vocab_size else ()
-        self.output_processor = OutputProcessor(builder.tokenizer, config.max_model_len)
+        self.output_processor = OutputProcessor(builder.tokenizer)
         self.pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="fdx-preprocess")
         self._seq_ids = itertools.count()
         self._lock = threading.Lock()             # guards _ready / _pending (worker threads add)
@@ -135,8 +147,9 @@ class LLMEngine:
     @staticmethod
     def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
         limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
-                             max_encoder_patches=config.max_encoder_patches, max_model_len=config.max_model_len)
-        return InputProcessor(ModelPromptBuilder(runner), runner.family.image_processor(config.model), limits)
+                             max_encoder_cost=config.max_encoder_patches, max_model_len=config.max_model_len)
+        return InputProcessor(FamilyPromptBuilder.from_runner(runner), runner.family.image_processor(config.model),
+                              limits)
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config
@@ -179,10 +192,15 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequest(f"max_tokens {params.max_tokens} + prompt {len(processed.prompt_token_ids)} tokens "
                                  f"exceed --max-model-len {self.config.max_model_len}")
-        if self._device.type == "cuda":
-            # page-locked here, in the worker, so the step's uploads are asynchronous DMA
-            for im in processed.images:
-                im.pixel_values = im.pixel_values.pin_memory()
+        cap = self.encoder_cache.capacity
+        for k, it in enumerate(processed.items):
+            if it.num_embeddings > cap:       # could never be scheduled: refused, not queued forever
+                raise InvalidRequest(f"image {k} ({it.source}) has {it.num_embeddings} embeddings, more than the "
+                                     f"encoder cache holds ({cap} rows: {self.encoder_cache_decision.reason})")
+        # host staging here, in the worker, so the step's uploads do not block the host (the
+        # backend's hook: page-locked memory where the device copies from it asynchronously)
+        for it in processed.items:
+            it.encoder_inputs = self.runner.pin_host(it.encoder_inputs)
         seq = Sequence(next(self._seq_ids), request_id, processed, params, params.max_tokens or room,
                        self.eos_token_ids, arrival)
         if params.seed is not None:
@@ -287,8 +305,9 @@ class LLMEngine:
                     rows.append(s)
                 except Exception as e:  # noqa: BLE001 - this request's bookkeeping: it alone fails
                     outputs.append(self._fail(s.seq, e))
-        if any(s.seq.is_finished for s in sched.scheduled):        # failed just above: not run
-            sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+        finished = SequenceStatus.FINISHED
+        if any(s.seq.status is finished for s in sched.scheduled):        # failed just above: not run
+            sched.scheduled = [s for s in sched.scheduled if s.seq.status is not finished]
             if not sched.scheduled:
                 return outputs
         # from here to the sampled ids the step is shared by the batch: a fault cannot be pinned
@@ -366,49 +385,54 @@ class LLMEngine:
                              history=seq.token_ids if p.repetition_penalty != 1.0 else (),
                              generator=seq.generator, num_logprobs=p.logprobs, banned_ids=banned)
 
-    def _encode(self, seqs: list[Sequence]) -> None:
-        """One packed vision pass over all images of seqs; each keeps its rows until its prefill
-        has passed its last image."""
-        images = [im for seq in seqs for im in seq.prompt.images]
+    def _encode(self, work: list[tuple[Sequence, list[int]]]) -> None:
+        """One packed vision pass over the given items (each reserved in the encoder cache by the
+        scheduler); their features are stored there, keyed by (seq_id, item index)."""
+        items = [(seq, k, seq.items[k]) for seq, ks in work for k in ks]
         t0 = time.perf_counter()
-        if self._device.type == "cuda":
-            # each image's pinned pixels uploaded asynchronously, packed on the device (a host
-            # concatenation of six 1080p pages would copy ~150 MB on the step loop)
-            pixels = torch.cat([im.pixel_values.to(self._device, non_blocking=True) for im in images])
-        else:
-            pixels = torch.cat([im.pixel_values for im in images])
-        feats = self.runner.encode_images(ImageBatch(pixels, [im.grid_thw for im in images]))
+        # each item's host inputs (pinned in the worker) uploaded by the backend and packed on
+        # the device: a host concatenation of six 1080p pages would copy ~150 MB on the step loop
+        pixels = torch.cat([self.runner.upload(it.encoder_inputs) for _, _, it in items])
+        feats = self.runner.encode_images(ImageBatch(pixels, [it.grid for _, _, it in items]))
         dt = time.perf_counter() - t0
         self._counters["vision_s"] += dt
         self._counters["vision_passes"] += 1
-        k = 0
-        for seq in seqs:
-            n = len(seq.prompt.images)
-            seq.image_features = feats[k] if n == 1 else torch.cat(feats[k:k + n])
+        for (seq, k, _), f in zip(items, feats, strict=True):
+            self.encoder_cache.store((seq.seq_id, k), f)
+        for seq, _ in work:
             seq.metrics.vision_s += dt
-            k += n
+
+    def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+        """The encoder rows of the placeholders among tokens [start, end), in order; an item's
+        cache entry is released by the chunk that covers its last placeholder."""
+        rows = []
+        for k in seq.items_in(start, end):
+            it, key = seq.items[k], (seq.seq_id, k)
+            feats = self.encoder_cache.get(key)
+            rows.append(feats[max(start, it.offset) - it.offset:min(end, it.end) - it.offset])
+            if end >= it.end:
+                self.encoder_cache.release(key)
+        if not rows:
+            return None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
         if not sched.is_prefill:
             return StepBatch(False, [SeqStep(s.seq.seq_id, [s.seq.token_ids[-1]], s.start, s.seq.block_table,
                                              None, s.seq.prompt.rope_delta) for s in sched.scheduled])
-        need = [s.seq for s in sched.scheduled if s.seq.image_features is None and s.start < s.seq.images_end]
-        if need:
+        work = [(s.seq, list(s.encode)) for s in sched.scheduled if s.encode]
+        if work:
             if self.max_prefill.value:
-                self._encode(need)                      # one packed pass for the whole step
+                self._encode(work)                      # one packed pass for the whole step
             else:
-                for seq in need:                        # per request, once, kept across chunks
-                    self._encode([seq])
+                for w in work:                          # per request: the items its chunk reaches first
+                    self._encode([w])
         steps = []
         for s in sched.scheduled:
             seq = s.seq
-            lo, hi = seq.image_range(s.start, s.end)
-            embeds = seq.image_features[lo:hi] if hi > lo else None
-            if s.end >= seq.images_end:
-                seq.image_features = None               # the last chunk that needs them
             steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
-                                 seq.positions(s.start, s.end), seq.prompt.rope_delta, embeds,
-                                 need_logits=s.completes_prefill))
+                                 seq.positions(s.start, s.end), seq.prompt.rope_delta,
+                                 self._embeds(seq, s.start, s.end), need_logits=s.completes_prefill))
         return StepBatch(True, steps)
 
     # ------------------------------------------------------------------ observability
@@ -424,6 +448,7 @@ class LLMEngine:
         with self._lock:
             pre = len(self._pending)
         bm = self.block_manager
+        ec = self.encoder_cache.stats()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            num_preprocessing=pre, kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used,
                            kv_usage=bm.usage, block_size=bm.block_size, num_preemptions=self.scheduler.num_preemptions,
@@ -431,7 +456,10 @@ class LLMEngine:
                            graph_fallbacks=int(getattr(text, "graph_fallbacks", 0)),
                            max_prefill=bool(self.max_prefill.value),
                            encoder_graph_hits=int(getattr(enc, "hits", 0)),
-                           encoder_graph_fallbacks=int(getattr(enc, "fallbacks", 0)), **c)
+                           encoder_graph_fallbacks=int(getattr(enc, "fallbacks", 0)),
+                           encoder_cache_rows_total=ec.capacity_rows, encoder_cache_rows_used=ec.used_rows,
+                           encoder_cache_items=ec.num_items, encoder_items_encoded=ec.num_encoded,
+                           encoder_items_evicted=ec.num_evicted, **c)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,7 @@
 """After each step, on the host: append the sampled token, detokenize incrementally, check the
-stop conditions (eos, stop ids, stop strings, max_tokens, max_model_len, the repetition-loop
-guard) and build the RequestOutput (outputs.py: deltas, O(new tokens) per output).
+stop conditions (eos, stop ids, stop strings, max_tokens, the repetition-loop guard; max_tokens
+is resolved within max_model_len at admission, so it bounds the context too) and build the
+RequestOutput (outputs.py: deltas, O(new tokens) per output).
 
 Stop strings in streams: while a stop string could still be completing, the last
 max(len(stop)) - 1 characters are held back from delta_text (vLLM's rule), so nothing a stop
@@ -17,9 +18,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
 
     # ------------------------------------------------------------------ detokenization
     def _detokenize(self, seq: Sequence) -> str:
@@ -86,7 +86,7 @@ class OutputProcessor:
         if self._repetition(seq, token):
             seq.finish_reason, seq.stop_reason = FinishReason.REPETITION, "repetition"
             return
-        if out_len >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if out_len >= seq.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
 
     # ------------------------------------------------------------------ per token

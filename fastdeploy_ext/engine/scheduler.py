@@ -4,13 +4,17 @@ request waits or is preempted and resumed, never dropped.
 
 Two admission modes (DESIGN.md section 4, FD_ENABLE_MAX_PREFILL):
 - max prefill (1): each step admits waiting requests (up to max_num_seqs running) whole: no
-  prompt is ever chunked, and the images of all requests admitted in the step are encoded in
-  one packed vision pass bounded by max_encoder_patches;
-- chunked (0): a prompt is prefilled in chunks under max_num_batched_tokens (a chunk may split
-  an image's tokens; its features are computed once per request and kept until the last chunk).
-In both modes the step's tokens stay within max_num_batched_tokens and its patches within
-max_encoder_patches, except that the first request of a step is always admitted whole in max
-prefill mode (a prompt longer than the budget must still run).
+  prompt is ever chunked, and the items of all requests admitted in the step are encoded in one
+  packed vision pass bounded by max_encoder_cost;
+- chunked (0): a prompt is prefilled in chunks under max_num_batched_tokens. A chunk may split
+  an item's placeholder run: the item is encoded when the first chunk touching it is scheduled
+  and its rows stay in the encoder cache (encoder_cache.py) until the chunk covering its last
+  placeholder. When an item's encoder cost or rows do not fit this step, the chunk ends before
+  the item (vLLM's rule) and the item waits for a later step.
+In both modes the step's tokens stay within max_num_batched_tokens and its encoder cost within
+max_encoder_cost, except that the first request of a step is always admitted whole in max
+prefill mode (a prompt longer than the budget must still run). The encoder cache is never
+over-committed: an item is reserved there when the step that encodes it is scheduled.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .encoder_cache import EncoderCache, EncoderCacheError
 from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -28,8 +33,7 @@ log = logging.getLogger(__name__)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    max_model_len: int = 16384
-    max_encoder_patches: int = 65536
+    max_encoder_cost: int = 65536      # one step's encoder work, in the family's unit (--max-encoder-patches)
     enable_max_prefill: bool = True
 
 
@@ -38,6 +42,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int              # tokens already in the cache
     num_tokens: int         # tokens run in this step
+    encode: tuple[int, ...] = ()   # items encoded in this step (reserved in the encoder cache)
 
     @property
     def end(self) -> int:
@@ -53,7 +58,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     is_prefill: bool
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,9 +65,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache: EncoderCache):
         self.config = config
         self.bm = block_manager
+        self.encoder_cache = encoder_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
         self.num_preemptions = 0
@@ -91,7 +96,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
-        seq.image_features = None
+        self.encoder_cache.drop_sequence(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     def find(self, request_id: str) -> Sequence | None:
@@ -105,70 +110,108 @@ class Scheduler:
         out = self._schedule_prefill()
         if out.scheduled:
             return out
-        out = self._schedule_decode(out.preempted)
+        out = self._schedule_decode()
         return out if out.scheduled else None
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        self.encoder_cache.drop_sequence(seq.seq_id)     # recompute encodes its items again
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)     # resumed before any newer request
-        out.preempted.append(seq)
         self.num_preemptions += 1
         log.debug("preempted %s (recompute): %d free blocks", seq, self.bm.num_free)
 
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest running sequences until seq's table can cover num_tokens; False if
         seq itself had to go (it is then back in the waiting queue)."""
         while not self.bm.can_allocate(seq, num_tokens):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _encoder_work(self, seq: Sequence, n: int, cost_left: int | None) -> tuple[int, list[int], int]:
+        """The chunk [computed, computed + n) cut so that the items it touches that are not in the
+        encoder cache fit ``cost_left`` (None: no cost bound) and the cache's free rows: (tokens,
+        items to encode, their cost). The chunk ends before the first item that does not fit."""
+        start = seq.num_computed_tokens
+        cache = self.encoder_cache
+        items, cost, rows = [], 0, 0
+        for k in seq.items_in(start, start + n):
+            if (seq.seq_id, k) in cache:
+                continue
+            it = seq.items[k]
+            if it.offset < start:
+                # rows released before the chunk that covers its last placeholder: re-encoding
+                # now would hide the bookkeeping bug, waiting would hang this sequence forever
+                raise EncoderCacheError(f"{seq}: item {k} (placeholders [{it.offset}, {it.end})) left the encoder "
+                                        f"cache before its last chunk")
+            if (cost_left is not None and cost + it.encoder_cost > cost_left) or \
+                    not cache.can_reserve(rows + it.num_embeddings):
+                return it.offset - start, items, cost
+            items.append(k)
+            cost += it.encoder_cost
+            rows += it.num_embeddings
+        return n, items, cost
+
+    def _reserve(self, seq: Sequence, items: list[int]) -> None:
+        for k in items:
+            self.encoder_cache.reserve((seq.seq_id, k), seq.items[k].num_embeddings)
 
     def _schedule_prefill(self) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput(is_prefill=True)
         budget = cfg.max_num_batched_tokens
-        patches = 0
+        cost_left = cfg.max_encoder_cost
+        preemptions_before = self.num_preemptions
         # 1. chunked mode: running sequences whose prompt is only partly in the cache go first
         for seq in list(self.running):
             if not seq.in_prefill or budget <= 0 or seq not in self.running:
                 continue
-            n = min(seq.num_pending_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+            n, items, cost = self._encoder_work(seq, min(seq.num_pending_tokens, budget), cost_left)
+            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n):
                 continue
             self.bm.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            self._reserve(seq, items)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(items)))
             budget -= n
-        # 2. admit waiting requests in arrival order (preempted ones are at the front)
-        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            cost_left -= cost
+        # 2. admit waiting requests in arrival order (preempted ones are at the front), unless
+        # this step had to preempt: re-admitting at once the sequence that just preempted
+        # itself would refill the same blocks, and a step that is always a prefill starves the
+        # decoding sequences that must finish to free them (a livelock)
+        preempted = self.num_preemptions > preemptions_before
+        while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             first = not out.scheduled
             pending = seq.num_pending_tokens
-            new_patches = seq.num_patches if seq.image_features is None and seq.num_computed_tokens < seq.images_end else 0
             if cfg.enable_max_prefill:
-                if not first and (pending > budget or patches + new_patches > cfg.max_encoder_patches):
+                if not first and pending > budget:
                     break
-                n = pending
+                # whole: every item it touches, over the cost budget only when it is the first
+                n, items, cost = self._encoder_work(seq, pending, None if first else cost_left)
+                if n < pending:
+                    break
             else:
-                if not first and patches + new_patches > cfg.max_encoder_patches:
-                    break
-                n = min(pending, budget)
+                n, items, cost = self._encoder_work(seq, min(pending, budget), cost_left)
+                if n == 0:
+                    break                # its next item waits for encoder budget or cache rows
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break                    # wait for blocks; never jump the queue
             self.waiting.popleft()
             self.bm.allocate(seq, seq.num_computed_tokens + n)
+            self._reserve(seq, items)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(items)))
             budget -= n
-            patches += new_patches
+            cost_left -= cost
         return out
 
-    def _schedule_decode(self, preempted: list[Sequence]) -> SchedulerOutput:
-        out = SchedulerOutput(is_prefill=False, preempted=preempted)
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput(is_prefill=False)
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         i = 0
         while i < len(self.running) and len(out.scheduled) < limit:     # oldest first
@@ -178,7 +221,7 @@ class Scheduler:
             if not self.bm.covers(seq, seq.num_tokens):
                 # victims are always newer (later in the list) than seq, or seq itself when it
                 # is the newest: then it left the list and the loop ends. O(running) per step.
-                if not self._make_room(seq, seq.num_tokens, out):
+                if not self._make_room(seq, seq.num_tokens):
                     break
                 self.bm.allocate(seq, seq.num_tokens)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))

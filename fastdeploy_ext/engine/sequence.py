@@ -1,8 +1,22 @@
-"""One request's state inside the engine (nano-vllm's Sequence): its prompt (token ids with the
-image placeholders expanded, mrope positions, rope_delta), its preprocessed images with their
-host grid_thw, its output, its status and its KV block table.
+"""One request's state inside the engine (nano-vllm's Sequence): its prompt, its output, its
+status and its KV block table.
 
-A sequence is owned by the step-loop thread; nothing here touches the device.
+The contract with a model family (models/interface.py), on the input side:
+
+- ``ProcessedPrompt.positions`` is int64 ``[P, len(prompt_token_ids)]`` with ``P =
+  family.position_rows`` (3 for PaddleOCR-VL's mrope, 1 for a 1D rope). An output token re-fed
+  after a preemption sits at ``index + rope_delta`` on every row, as a decode step's token does;
+  a 1D-rope family has ``rope_delta == 0``.
+- ``ProcessedPrompt.items`` are the prompt's multimodal items (images) in prompt order. Each
+  :class:`MultiModalItem` holds its host-side encoder inputs and grid (what the runner's
+  ``encode_images`` takes), the prompt index of its first placeholder token, its
+  ``num_embeddings`` (encoder output rows = its placeholder tokens, from
+  ``family.output_sizes``) and its ``encoder_cost`` (what the scheduler budgets against
+  --max-encoder-patches, in the family's unit, from ``family.encoder_cost``). An item's
+  placeholders are one contiguous run ``[offset, offset + num_embeddings)``.
+
+Encoder outputs are not kept here: engine/encoder_cache.py holds them per item. A sequence is
+owned by the step-loop thread; nothing here touches the device.
 """
 from __future__ import annotations
 
@@ -15,7 +29,6 @@ from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    PREPROCESSING = "preprocessing"
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -30,34 +43,46 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
-class ImageInput:
-    """One preprocessed image of a prompt."""
-    pixel_values: torch.Tensor          # host float32 patches [t*h*w, C, P, P]
-    grid_thw: tuple[int, int, int]      # host ints from the preprocessor: all metadata derives from these
-    offset: int                         # index in the prompt of its first placeholder token
-    num_tokens: int                     # t*h*w / merge^2 placeholder tokens
+class MultiModalItem:
+    """One multimodal input of a prompt (an image), ready for the encoder."""
+    encoder_inputs: torch.Tensor        # host tensor the encoder packs (PaddleOCR-VL: float32 patches
+                                        # [t*h*w, C, P, P]); rows of several items are concatenated
+    grid: tuple[int, ...]               # host ints the family's metadata derives from (PaddleOCR-VL:
+                                        # grid_thw); never read back from the device
+    offset: int                         # prompt index of its first placeholder token
+    num_embeddings: int                 # encoder output rows = its placeholder tokens
+    encoder_cost: int                   # what one encoder pass over it costs, in the family's unit
+                                        # (PaddleOCR-VL: patches t*h*w), budgeted per step
     source: str = ""
 
     @property
-    def num_patches(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w
+    def end(self) -> int:
+        """Prompt index after its last placeholder token."""
+        return self.offset + self.num_embeddings
 
 
 @dataclass
 class ProcessedPrompt:
     """What preprocessing (in the worker pool) hands to the step loop: ready host data."""
     prompt_token_ids: list[int]
-    positions: torch.Tensor              # int64 [3, len(prompt_token_ids)] mrope positions
+    positions: torch.Tensor              # int64 [P, len(prompt_token_ids)], P = family.position_rows
     rope_delta: int
-    images: list[ImageInput] = field(default_factory=list)
+    items: list[MultiModalItem] = field(default_factory=list)
     prompt_text: str | None = None
     preprocess_s: float = 0.0
 
-    def validate(self) -> None:
+    def validate(self, position_rows: int) -> None:
+        """The shapes the runner relies on: positions [P, n], and items in prompt order whose
+        placeholder runs lie inside the prompt without overlapping."""
         n = len(self.prompt_token_ids)
-        if tuple(self.positions.shape) != (3, n):
-            raise ValueError(f"positions must be [3, {n}], got {list(self.positions.shape)}")
+        if tuple(self.positions.shape) != (position_rows, n):
+            raise ValueError(f"positions must be [{position_rows}, {n}], got {list(self.positions.shape)}")
+        prev = 0
+        for k, it in enumerate(self.items):
+            if it.offset < prev or it.end > n or it.num_embeddings < 1 or it.encoder_cost < 1:
+                raise ValueError(f"item {k}: placeholder run [{it.offset}, {it.end}) with cost {it.encoder_cost} "
+                                 f"does not fit a prompt of {n} tokens after the previous item (ends at {prev})")
+            prev = it.end
 
 
 @dataclass
@@ -86,8 +111,6 @@ class Sequence:
         self.stream = False                          # report every new token, not only the last
         self.block_table: list[int] = []
         self.num_computed_tokens = 0                 # tokens whose K/V are in the cache
-        self.image_features: torch.Tensor | None = None   # chunked prefill: all images' rows, kept
-                                                          # from the first chunk to the last
         self.logprobs: list[dict] = []               # per output token, when params.logprobs is set
         self.cumulative_logprob = 0.0
         self.finish_reason: FinishReason | None = None
@@ -127,22 +150,17 @@ class Sequence:
         return self.num_pending_tokens > 1 or self.num_computed_tokens == 0
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+    def items(self) -> list[MultiModalItem]:
+        return self.prompt.items
 
-    @property
-    def num_patches(self) -> int:
-        return sum(im.num_patches for im in self.prompt.images)
-
-    @property
-    def images_end(self) -> int:
-        """Prompt index after the last image token (0 without images)."""
-        return max((im.offset + im.num_tokens for im in self.prompt.images), default=0)
+    def items_in(self, start: int, end: int) -> list[int]:
+        """Indices of the items whose placeholder runs overlap tokens [start, end)."""
+        return [k for k, it in enumerate(self.prompt.items) if it.offset < end and it.end > start]
 
     # ------------------------------------------------------------------ step inputs
     def positions(self, start: int, end: int) -> torch.Tensor:
-        """mrope positions [3, end - start] for tokens [start, end): the prompt's own, then
-        (index + rope_delta) on all axes for output tokens (re-fed after a preemption)."""
+        """Rope positions [P, end - start] for tokens [start, end): the prompt's own, then
+        (index + rope_delta) on every row for output tokens (re-fed after a preemption)."""
         p = min(end, self.prompt_len)
         parts = []
         if start < p:
@@ -150,23 +168,14 @@ class Sequence:
         if end > self.prompt_len:
             lo = max(start, self.prompt_len)
             tail = torch.arange(lo, end, dtype=torch.int64) + self.prompt.rope_delta
-            parts.append(tail.expand(3, -1))
+            parts.append(tail.expand(self.prompt.positions.shape[0], -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-    def image_tokens_before(self, pos: int) -> int:
-        """Image-placeholder tokens at prompt indices < pos (rows of the feature table used)."""
-        return sum(min(max(pos - im.offset, 0), im.num_tokens) for im in self.prompt.images)
-
-    def image_range(self, start: int, end: int) -> tuple[int, int]:
-        """Rows of this sequence's concatenated image features that tokens [start, end) need."""
-        return self.image_tokens_before(start), self.image_tokens_before(end)
 
     # ------------------------------------------------------------------ preemption
     def reset_for_recompute(self) -> None:
         """Preempted: its KV blocks are gone (the block manager freed them); prompt and output so
         far are re-fed as one prefill when it is scheduled again (recompute, vLLM's default)."""
         self.num_computed_tokens = 0
-        self.image_features = None
         self.status = SequenceStatus.WAITING
         self.metrics.num_preemptions += 1
 

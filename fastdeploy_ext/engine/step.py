@@ -3,6 +3,13 @@
 The scheduler decides which sequences run and which KV blocks they own; the runner turns a
 StepBatch into next-token logits. Everything here is host data (Python ints, host tensors), so
 building a step never touches the device and never syncs.
+
+Positions: a prefill's ``rope_positions`` is int64 ``[P, len(token_ids)]`` with ``P =
+family.position_rows`` (3 for PaddleOCR-VL's mrope rows t/h/w, 1 for a 1D rope); a decode token's
+position is ``start_pos + rope_delta`` on every row (``rope_delta`` is 0 for a 1D rope). Encoder
+output arrives as ``image_embeds``: one row per placeholder token of this chunk, in order (the
+engine slices them from the encoder cache, so a chunk that ends inside an item gets only the rows
+of its own placeholders).
 """
 from __future__ import annotations
 
@@ -20,11 +27,14 @@ class SeqStep:
                                          # [start_pos, start_pos + len(token_ids)) are written now)
     block_table: list[int]               # the sequence's physical KV blocks, in order, covering
                                          # start_pos + len(token_ids) tokens
-    rope_positions: torch.Tensor | None  # prefill: int64 [3, len(token_ids)] mrope positions (host);
-                                         # decode: None (position = start_pos + rope_delta, all axes)
-    rope_delta: int = 0                  # max mrope position + 1 - prompt length (transformers' rope_deltas)
-    image_embeds: torch.Tensor | None = None  # [k, text_hidden] rows for the image-placeholder tokens
-                                         # among token_ids, in order (device or host; runner moves them)
+    rope_positions: torch.Tensor | None  # prefill: int64 [P, len(token_ids)] rope positions (host),
+                                         # P = family.position_rows; decode: None (position =
+                                         # start_pos + rope_delta on every row)
+    rope_delta: int = 0                  # max position + 1 - prompt length (transformers' rope_deltas;
+                                         # 0 for a 1D rope)
+    image_embeds: torch.Tensor | None = None  # [k, text_hidden] encoder rows for the k placeholder
+                                         # tokens among token_ids, in order (device or host; the
+                                         # runner moves them)
     need_logits: bool = True             # False for a prefill chunk that is not the prompt's last
 
 

@@ -186,6 +186,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
     g.add_argument("--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 1}\' (the default)')
     g.add_argument("--max-encoder-patches", type=int, default=65536,
                    help="patches in one step's packed vision pass (~6 1080p pages)")
+    g.add_argument("--encoder-cache-size", type=int, default=None, metavar="ROWS",
+                   help="embedding rows of vision output kept from the vision pass to the last prefill chunk "
+                        "that reads them; default max(--max-num-batched-tokens, --max-model-len)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of device memory for weights, the profiled step peak and the KV pool")
     g.add_argument("--kv-cache-memory", default=None,
@@ -203,6 +206,7 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
         cfg = EngineConfig(model=source.model_dir, load_format=source.load_format, model_format=source.model_format,
                            model_family=source.model_family, plan=plan, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                            max_model_len=ns.max_model_len, max_encoder_patches=ns.max_encoder_patches,
+                           encoder_cache_size=getattr(ns, "encoder_cache_size", None),
                            limit_mm_per_prompt=parse_limit_mm(ns.limit_mm_per_prompt),
                            gpu_memory_utilization=ns.gpu_memory_utilization,
                            kv_cache_memory=parse_bytes(ns.kv_cache_memory),

@@ -104,7 +104,13 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def build_prompt(self, tokenizer, chat_template, cfg: Any, *, messages=None, prompt=None, image_grids=()):
-        """Token ids with image placeholders expanded, rope positions and rope_delta."""
+        """The prompt as the engine feeds it: an object with ``token_ids`` (image placeholders
+        expanded, one token per embedding row), ``positions`` (int64 ``[position_rows, n]``),
+        ``rope_delta`` (a decode token's position is its index + rope_delta; 0 for 1D rope) and
+        ``image_runs`` ((offset, length) of each image's placeholder run, in order; length =
+        ``output_sizes`` of its grid). ``messages`` are already normalized by
+        fastdeploy_ext/inputs/messages.py when the engine calls it; ``image_grids`` are the image
+        processor's grids in prompt order."""
 
     # ------------------------------------------------------------------ execution
     @abstractmethod
@@ -143,6 +149,20 @@ class ModelFamily(ABC):
     @abstractmethod
     def encoder_matmul_shapes(self, cfg: Any, tokens: int) -> tuple[tuple[int, int, int], ...]:
         """(m, k, n) of the encoder's GEMMs on ``tokens`` patches (backends probe their BLAS with it)."""
+
+    # --- engine inputs
+    @abstractmethod
+    def encoder_cost(self, cfg: Any, grid: Grid) -> int:
+        """What encoding one item of this grid costs, in the unit the scheduler budgets per step
+        against --max-encoder-patches (e.g. input patches t*h*w); at least 1."""
+
+    @abstractmethod
+    def eos_token_ids(self, cfg: Any) -> tuple[int, ...]:
+        """The token ids that end a generation."""
+
+    @abstractmethod
+    def vocab_size(self, cfg: Any) -> int:
+        """Rows of the decoder's logits (sampling parameters naming token ids are checked against it)."""
 
     # --- benchmarks
     # Not abstract: only a family the benchmarks compare against a reference implements them.

@@ -408,10 +408,7 @@ def build_state(ns: argparse.Namespace) -> ServerState:
     source = shared_args.model_source_from_args(ns)
     engine_config = shared_args.engine_config_from_args(ns, source, shared_args.plan_request_from_args(ns))
     config = cli_args.server_config_from_args(ns, default_model_names=cli_args.default_served_names(source.model_dir))
-    enable_max_prefill = envs.FD_ENABLE_MAX_PREFILL.get()
-    log.info("FD_ENABLE_MAX_PREFILL=%d (%s)", int(enable_max_prefill),
-             "one packed vision pass per step, no chunked image prefill" if enable_max_prefill
-             else "per-request image encoding, chunked prefill")
+    log.info("max prefill: %s", engine_config.max_prefill().reason)
     log.info("server: host=%s port=%d metrics_port=%s served_model_names=%s api_key=%s request_timeout=%gs "
              "max_concurrency=%d max_request_body_bytes=%d max_inflight_body_bytes=%d header_timeout=%gs "
              "body_timeout=%gs allowed_local_media_path=%s",

@@ -3,7 +3,7 @@ so existing dashboards work), ``fastdeploy_ext:*`` for the rest.
 
 One `ServerMetrics` per app, on its own `CollectorRegistry` (no process-global state). Request
 metrics are observed by the chat handler; engine state (queue depth, running sequences, KV
-usage, graph hits/fallbacks) is read from `engine.stats()` at scrape time, so it is never stale
+usage, encoder cache, graph hits/fallbacks) is read from `engine.stats()` at scrape time, so it is never stale
 and never double-counted."""
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ class _EngineCollector:
         yield g("fastdeploy_ext:kv_blocks_used", "KV-cache blocks in use", s.kv_blocks_used)
         yield g("fastdeploy_ext:num_requests_preprocessing", "Requests in the preprocessing worker pool",
                 s.num_preprocessing)
+        yield g("fastdeploy_ext:encoder_cache_rows_total", "Embedding rows the encoder cache holds "
+                "(--encoder-cache-size)", s.encoder_cache_rows_total)
+        yield g("fastdeploy_ext:encoder_cache_rows_used", "Encoder cache rows reserved or holding vision output now",
+                s.encoder_cache_rows_used)
         counters = (("graph_hits", "Decode steps that replayed a captured decoder graph"),
                     ("graph_fallbacks", "Decode steps that ran eagerly (no captured batch size fits)"),
                     ("encoder_graph_hits", "Packed vision passes replayed from a captured encoder graph"),
@@ -50,7 +54,10 @@ class _EngineCollector:
                     ("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks"),
                     ("preprocess_s", "Seconds spent preprocessing requests (worker pool, summed)"),
                     ("vision_s", "Seconds spent in vision encoder passes"),
-                    ("vision_passes", "Vision encoder passes"))
+                    ("vision_passes", "Vision encoder passes"),
+                    ("encoder_items_encoded", "Multimodal items encoded into the encoder cache"),
+                    ("encoder_items_evicted", "Encoder cache items dropped before their last prefill chunk "
+                                              "(preemption, abort, failure)"))
         for attr, doc in counters:
             name = {"preprocess_s": "preprocess_seconds", "vision_s": "vision_seconds",
                     "graph_hits": "decoder_graph_hits", "graph_fallbacks": "decoder_graph_fallbacks"}.get(attr, attr)

@@ -16,10 +16,11 @@ import math
 import re
 import reprlib
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
+from ...inputs.messages import JSON_IMAGE_PART_TYPES, image_payload
 from .errors import APIError, bad_request
 
 
@@ -149,15 +150,29 @@ class TextPart(_Strict):
 
 
 class ImagePart(_Strict):
-    type: Literal["image_url"]
-    image_url: Union[ImageURL, str]       # vLLM also takes the bare URL string
+    """An image part of a type a JSON body can carry (inputs/messages.py, the one normalizer):
+    ``image_url`` (OpenAI chat; vLLM also takes the bare URL string), ``input_image`` (OpenAI
+    Responses) or ``image`` (a URL string)."""
+    type: Literal[JSON_IMAGE_PART_TYPES]
+    image_url: Union[ImageURL, str, None] = None
+    image: str | None = None
+
+    @model_validator(mode="after")
+    def _payload(self) -> "ImagePart":
+        url = image_payload(self.model_dump(exclude_none=True), "this part")   # MessageError: a ValueError
+        if not isinstance(url, str):
+            raise ValueError(f"a {self.type!r} part needs its image URL")
+        extra = {"image_url", "image"} - {"image" if self.type == "image" else "image_url"}
+        if any(getattr(self, k) is not None for k in extra):
+            raise ValueError(f"a {self.type!r} part takes no {sorted(extra)[0]!r}")
+        return self
 
     @property
     def url(self) -> str:
-        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+        return image_payload(self.model_dump(exclude_none=True))
 
 
-ContentPart = Union[TextPart, ImagePart]
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]   # errors name the part type
 
 
 class ChatMessage(_Strict):

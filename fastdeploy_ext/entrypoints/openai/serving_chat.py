@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from ...engine.errors import EngineDead, InvalidRequest, RequestFailed
 from ...engine.sampling_params import RepetitionGuard, SamplingParams
+from ...inputs.messages import MessageError, NormalizedMessages, normalize_messages
 from . import protocol, request_log
 from .errors import APIError, bad_request, server_stopping
 
@@ -99,45 +100,41 @@ def sampling_params(req: protocol.ChatCompletionRequest, guard: dict | None) -> 
     return SamplingParams(**kw)
 
 
+def normalized(req: protocol.ChatCompletionRequest) -> NormalizedMessages:
+    """The request's messages through the one normalizer the engine uses too (inputs/messages.py);
+    the image payloads are the URLs the parts carry (protocol.ImagePart checked their shape)."""
+    return normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
+
+
 def check_before_fetch(req: protocol.ChatCompletionRequest, ctx: ChatContext) -> None:
     """The engine's cheap input checks, here before any image URL is fetched: the number of
     images (--limit-mm-per-prompt), the text's byte length (--max-model-len) and
     mm_processor_kwargs, so that a request refused anyway costs no download."""
     try:
         if ctx.limits is not None:
-            n_images, texts = 0, []
-            for m in req.messages:
-                if isinstance(m.content, list):
-                    for p in m.content:
-                        if isinstance(p, protocol.ImagePart):
-                            n_images += 1
-                        else:
-                            texts.append(p.text)
-                elif m.content:
-                    texts.append(m.content)
-            ctx.limits.check_counts(n_images, texts)
+            norm = normalized(req)
+            ctx.limits.check_counts(len(norm.images), norm.texts)
         if ctx.mm_kwargs_check is not None and req.mm_processor_kwargs is not None:
             ctx.mm_kwargs_check(req.mm_processor_kwargs.model_dump(exclude_none=True))
-    except InvalidRequest as e:
+    except (InvalidRequest, MessageError) as e:
         raise bad_request(str(e)) from None
 
 
 async def resolve_messages(req: protocol.ChatCompletionRequest, fetcher) -> list[dict]:
     """OpenAI messages -> the engine's: each image part becomes ``{"type": "image", "image": X}``
     with X the fetched bytes (http(s), allowed local files) or the data URL itself."""
+    norm = normalized(req)
+    urls = iter(norm.images)
     messages, n = [], 0
-    for m in req.messages:
-        if isinstance(m.content, list):
-            parts = []
-            for p in m.content:
-                if isinstance(p, protocol.ImagePart):
-                    parts.append({"type": "image", "image": await fetcher.fetch(p.url, f"image {n}")})
-                    n += 1
-                else:
-                    parts.append({"type": "text", "text": p.text})
-            messages.append({"role": m.role, "content": parts})
-        else:
-            messages.append({"role": m.role, "content": m.content or ""})
+    for m in norm.messages:
+        parts = []
+        for p in m["content"]:
+            if p["type"] == "image":
+                parts.append({"type": "image", "image": await fetcher.fetch(next(urls), f"image {n}")})
+                n += 1
+            else:
+                parts.append(p)
+        messages.append({"role": m["role"], "content": parts})
     return messages
 
 

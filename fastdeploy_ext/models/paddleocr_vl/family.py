@@ -104,6 +104,19 @@ class PaddleOCRVLFamily(ModelFamily):
                 (tokens, h, inter), (tokens, inter, h), (merged, h * m2, h * m2),
                 (merged, h * m2, cfg.text.hidden_size))
 
+    # --- engine inputs
+    def encoder_cost(self, cfg, grid: Grid) -> int:
+        t, h, w = grid
+        return t * h * w            # input patches: what the packed vision pass's work scales with
+
+    def eos_token_ids(self, cfg) -> tuple[int, ...]:
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = getattr(cfg.text, "eos_token_id", 2) if eos is None else eos
+        return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def vocab_size(self, cfg) -> int:
+        return cfg.text.vocab_size
+
     # --- benchmarks
     def released_image_processor(self):
         from .processor import ImageProcessor, PreprocessorConfig

@@ -339,6 +339,18 @@ class ImageProcessor:
     def load(self, src: ImageSource, name: str | None = None) -> Image.Image:
         return load_image(src, self.cfg, name)
 
+    # ---------------------------------------------------------- per-request overrides
+    def request_pixel_cap(self, max_patches: int, max_model_len: int) -> int:
+        """The largest resized image a request may ask for: one whose patches fit
+        --max-encoder-patches and whose tokens fit --max-model-len."""
+        c = self.cfg
+        return min(max_patches * c.patch_size ** 2, max_model_len * c.factor ** 2)
+
+    def request_config(self, kwargs: Mapping[str, Any], *, max_cost: int, max_model_len: int) -> PreprocessorConfig:
+        """The config a request's ``mm_processor_kwargs`` ask for (the engine's hook: checked,
+        nothing built; ValueError naming the key). ``max_cost``: --max-encoder-patches."""
+        return request_config(self.cfg, kwargs, self.request_pixel_cap(max_cost, max_model_len))
+
     def preprocess(self, src: ImageSource, name: str | None = None, *,
                    max_patches: int | None = None) -> ProcessedImage:
         """``max_patches``: refuse (from the header, before decoding) an image whose resized

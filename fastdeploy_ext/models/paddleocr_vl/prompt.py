@@ -5,7 +5,8 @@ Positions (int64 [3, n]): a text token takes one position on all three axes; an 
 merged row i, column j after s positions gets (s, s+i, s+j); the text after the image continues
 at s + max(h, w) / merge. ``rope_delta`` = max position + 1 - n, so a decode step's position is
 (sequence length + rope_delta) on all axes. Text-only prompts use 1D positions (delta 0).
-Everything here is host work on Python ints and CPU tensors.
+Message parts are normalized by fastdeploy_ext/inputs/messages.py (the one normalizer the
+engine and the server use too). Everything here is host work on Python ints and CPU tensors.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from ...inputs.messages import MessageError
+from ...inputs.messages import normalize_messages as _normalize
 from .config import PaddleOCRVLConfig
 from .tokenizer import ChatTemplate, TextTokenizer
 
@@ -23,7 +26,6 @@ TASK_PROMPTS = {
     "formula": "Formula Recognition:",
     "chart": "Chart Recognition:",
 }
-IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
 class PromptError(ValueError):
@@ -36,11 +38,12 @@ class Prompt:
     positions: torch.Tensor              # int64 [3, n]
     rope_delta: int
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
-    image_token_ranges: list[tuple[int, int]] = field(default_factory=list)   # [start, end) per image
+    image_runs: list[tuple[int, int]] = field(default_factory=list)   # (offset, length) of each image's
+                                                                     # placeholder run, in order
 
     @property
     def num_image_tokens(self) -> int:
-        return sum(e - s for s, e in self.image_token_ranges)
+        return sum(n for _, n in self.image_runs)
 
 
 def image_token_count(grid: tuple[int, int, int], merge: int) -> int:
@@ -50,7 +53,8 @@ def image_token_count(grid: tuple[int, int, int], merge: int) -> int:
 
 def rope_index(token_ids: Sequence[int], image_token_id: int, grids: Sequence[tuple[int, int, int]],
                merge: int) -> tuple[torch.Tensor, int, list[tuple[int, int]]]:
-    """transformers' get_rope_index for one sequence: (positions [3, n], rope_delta, image ranges).
+    """transformers' get_rope_index for one sequence: (positions [3, n], rope_delta, image runs as
+    (offset, length)).
     Each maximal run of image tokens is one image, in order (as transformers groups them)."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
     n = ids.numel()
@@ -62,14 +66,15 @@ def rope_index(token_ids: Sequence[int], image_token_id: int, grids: Sequence[tu
             j = i
             while j < n and is_img[j]:
                 j += 1
-            runs.append((i, j))
+            runs.append((i, j - i))
             i = j
         else:
             i += 1
     if len(runs) != len(grids):
         raise PromptError(f"the prompt has {len(runs)} image-token run(s) but {len(grids)} image(s) were given")
     pieces, pos, prev = [], 0, 0
-    for (s, e), grid in zip(runs, grids):
+    for (s, length), grid in zip(runs, grids):
+        e = s + length
         t, h, w = grid
         gh, gw = h // merge, w // merge
         if e - s != t * gh * gw:
@@ -91,31 +96,12 @@ def rope_index(token_ids: Sequence[int], image_token_id: int, grids: Sequence[tu
 
 
 def normalize_messages(messages: list[dict], num_images: int | None = None) -> list[dict]:
-    """OpenAI-style messages -> the template's shape: content is a list of {"type": "text",
-    "text"} and {"type": "image"} parts (image_url / input_image parts count as images; their
-    payload is handled by the caller)."""
-    if not isinstance(messages, list) or not messages:
-        raise PromptError("messages must be a non-empty list")
-    out = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise PromptError(f"message {k} must be an object with a 'role'")
-        content = m.get("content", "")
-        if isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, list):
-            parts = []
-            for p in content:
-                kind = p.get("type") if isinstance(p, dict) else None
-                if kind in IMAGE_PART_TYPES:
-                    parts.append({"type": "image"})
-                elif kind == "text" and isinstance(p.get("text"), str):
-                    parts.append({"type": "text", "text": p["text"]})
-                else:
-                    raise PromptError(f"message {k}: unsupported content part {p!r}")
-        else:
-            raise PromptError(f"message {k}: content must be a string or a list of parts")
-        out.append({"role": m["role"], "content": parts})
+    """Messages in the template's shape (inputs/messages.py), checked to carry ``num_images``
+    image parts when given. The image payloads are the caller's."""
+    try:
+        out = _normalize(messages).messages
+    except MessageError as e:
+        raise PromptError(str(e)) from None
     if num_images is not None:
         n = sum(p["type"] == "image" for m in out for p in m["content"])
         if n != num_images:
