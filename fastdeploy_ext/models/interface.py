@@ -20,6 +20,7 @@ import torch
 from ..plan import Component
 
 if TYPE_CHECKING:
+    from ..conformance.family_fixture import ConformanceFixture
     from ..ops.attention.varlen import VarlenAttention
 
 Grid = tuple[int, int, int]
@@ -143,3 +144,10 @@ class ModelFamily(ABC):
     @abstractmethod
     def encoder_matmul_shapes(self, cfg: Any, tokens: int) -> tuple[tuple[int, int, int], ...]:
         """(m, k, n) of the encoder's GEMMs on ``tokens`` patches (backends probe their BLAS with it)."""
+
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir: str) -> "ConformanceFixture | None":
+        """The family's tiny models and references for the conformance suite
+        (``--fdx-family NAME``; conformance/family_fixture.py), built into ``workdir`` or shipped.
+        None: the family has none, and the suite says so instead of running."""
+        return None

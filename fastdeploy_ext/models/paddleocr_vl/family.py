@@ -104,6 +104,11 @@ class PaddleOCRVLFamily(ModelFamily):
                 (tokens, h, inter), (tokens, inter, h), (merged, h * m2, h * m2),
                 (merged, h * m2, cfg.text.hidden_size))
 
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir):
+        from .conformance import PaddleOCRVLConformance
+        return PaddleOCRVLConformance(workdir)
+
 
 class BudgetBuffers:
     """The static inputs of an encoder graph captured at ``tokens`` patches: pixels, position
