@@ -49,9 +49,19 @@ def run(env, *args, **kw):
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, **kw)
 
 
+def installed_toy(tmp_path_factory) -> Path:
+    """The session's one install (both toy test modules use it)."""
+    base = tmp_path_factory.getbasetemp() / "toy_install"
+    if not (base / "site" / "fdx_toy" / "family.py").is_file():
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir()
+        install_toy(base)
+    return base / "site"
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    return install_toy(tmp_path_factory.mktemp("toy"))
+    return installed_toy(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
