@@ -271,3 +271,32 @@ def test_an_unknown_family_fails_every_family_test(tmp_path):
     r, counts = _suite(env_with(None), tmp_path, "--fdx-family", "no_such_family", "-k", "test_bad_batch")
     assert r.returncode != 0 and counts["failures"] + counts["errors"] == counts["tests"] == 8, counts
     assert "unknown model family 'no_such_family'" in r.stdout
+
+
+NO_FIXTURE_PLUGIN = '''
+from fastdeploy_ext.models.paddleocr_vl.family import PaddleOCRVLFamily
+from fastdeploy_ext.models.registry import register_family
+
+
+class NoFixtureFamily(PaddleOCRVLFamily):
+    name = "no_fixture"
+
+    def conformance_fixture(self, workdir):
+        return None
+
+
+def pytest_configure(config):
+    register_family("no_fixture", NoFixtureFamily)
+'''
+
+
+def test_a_family_without_a_fixture_fails_every_family_test(tmp_path):
+    """The mutation: a family whose conformance_fixture is None (the interface's default) gets
+    failures saying so, not a green run. Registered with register_family by a -p plugin: an
+    entry point would need a second installed package for this one case."""
+    (tmp_path / "no_fixture_plugin.py").write_text(NO_FIXTURE_PLUGIN)
+    env = env_with(None)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    r, counts = _suite(env, tmp_path, "-p", "no_fixture_plugin", "--fdx-family", "no_fixture", "-k", "test_bad_batch")
+    assert r.returncode != 0 and counts["failures"] + counts["errors"] == counts["tests"] == 8, counts
+    assert "family no_fixture: the family supplies no conformance fixture" in r.stdout
