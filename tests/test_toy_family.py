@@ -207,6 +207,7 @@ def test_decoder_steps_match_the_reference_logits(toy, model_dir, images):
 
     from fastdeploy_ext.engine.step import SeqStep, StepBatch
     from fastdeploy_ext.runner import ImageBatch
+    from fastdeploy_ext.text_runner import StepError
     runner = make_runner(model_dir, with_text=True)
     im = toy.image_processor(str(model_dir)).preprocess(images[0])
     feats = runner.encode_images(ImageBatch.from_images([im]))[0]
@@ -221,7 +222,7 @@ def test_decoder_steps_match_the_reference_logits(toy, model_dir, images):
     got = torch.stack(rows)
     err = float((got - ref[len(p.token_ids) - 1:]).abs().max())
     assert err <= 1e-4, err
-    with pytest.raises(Exception, match=r"rope_positions must be \[1, "):
+    with pytest.raises(StepError, match=r"rope_positions must be \[1, "):
         runner.execute(StepBatch(True, [SeqStep(0, p.token_ids, 0, table, p.positions.expand(3, -1), 0, feats)]))
 
 

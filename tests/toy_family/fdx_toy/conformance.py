@@ -87,7 +87,7 @@ class ToyConformance(ConformanceFixture):
         return {
             "empty": (torch.empty(0, c, p, p), [], "empty batch"),
             "grid_mismatch": (torch.randn(n // 2, c, p, p), [cfg.grid], "patches"),
-            "odd_grid": (torch.randn(6, c, p, p), [(1, 2, 3)], "divisible"),
+            "odd_grid": (torch.randn(6, c, p, p), [(1, 2, 3)], r"every toy_vlm image is resized to 32x32: grid \(1, 4, 4\)"),
             "zero_dim": (torch.randn(0, c, p, p), [(1, 0, 2)], "non-positive"),
             "bad_rank": (torch.randn(4, c, p), [cfg.grid], "pixel_values must be"),
             "bad_patch": (torch.randn(n, c, p + 6, p + 6), [cfg.grid], "pixel_values must be"),

@@ -88,8 +88,8 @@ class ToyVLMFamily(ModelFamily):
             if min(g) < 1:
                 raise BatchError(f"image {i}: grid_thw {g} has a non-positive dimension")
             if g != cfg.grid:
-                raise BatchError(f"image {i}: grid_thw {g}: every toy_vlm image is resized to one size, grid "
-                                 f"{cfg.grid} (divisible by the merge size {cfg.merge})")
+                raise BatchError(f"image {i}: grid_thw {g}, but every toy_vlm image is resized to "
+                                 f"{cfg.image_size}x{cfg.image_size}: grid {cfg.grid}")
             out.append(g)
         if pv.shape[0] != len(out) * cfg.patches_per_image:
             raise BatchError(f"pixel_values hold {pv.shape[0]} patches but grid_thw describes "
