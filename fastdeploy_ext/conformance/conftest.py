@@ -1,6 +1,7 @@
 """Fixtures of the conformance suite: the backend under test, runners built from plan requests,
-and the shipped references (references.py): tiny checkpoints in both layouts, real images and
-the expected outputs. Nothing here needs transformers; a missing reference fails the test."""
+and the family under test's tiny models and references (``--fdx-family``, default the default
+family): its ``ConformanceFixture`` (family_fixture.py) gives the model dirs, the images and the
+expected outputs. Nothing here needs transformers; a missing reference fails the test."""
 from __future__ import annotations
 
 import pytest
@@ -27,12 +28,29 @@ def backend_cls(backend_name):
 
 
 @pytest.fixture(scope="session")
-def make_runner(backend_cls, request):
-    """make_runner(model_dir, **PlanRequest fields) -> a loaded runner (with_text=True: the
-    text decoder, tokenizer and chat template too)."""
+def family_name(request) -> str:
+    from .plugin import family_option
+    return family_option(request.config)
+
+
+@pytest.fixture(scope="session")
+def family_fixture(request, family_name):
+    """The family's ConformanceFixture (made once per session by the plugin, which also reads
+    its facts to deselect what the family does not have)."""
+    from .plugin import family_fixture_of
+    fx, error = family_fixture_of(request.config)
+    if fx is None:
+        pytest.fail(f"family {family_name}: {error}")
+    return fx
+
+
+@pytest.fixture(scope="session")
+def make_runner(backend_cls, family_name, request):
+    """make_runner(model_dir, **PlanRequest fields) -> a loaded runner of the family under test
+    (with_text=True: the text decoder, tokenizer and chat template too)."""
     def make(model_dir=None, load_format="auto", with_text=False, **req):
         runner = backend_cls.create(PlanRequest(device=backend_cls.name, **req))
-        runner.load_model(model_dir, load_format=load_format, with_text=with_text)
+        runner.load_model(model_dir, load_format=load_format, with_text=with_text, model_family=family_name)
         request.config._fdx_plan_line = f"row={runner.plan.row} device={runner.plan.device}"
         return runner
     return make
@@ -45,29 +63,27 @@ def emulated(request) -> bool:
 
 @pytest.fixture(scope="session")
 def references():
+    """The manifest of the shipped reference data (tests of FamilyFact.SHIPPED_REFERENCES)."""
     from .references import Manifest
     return Manifest.load()
 
 
 @pytest.fixture(scope="session")
-def tiny_models(references):
-    """The shipped checkpoints (read only): torch layout and its sharded Paddle-layout twin."""
-    return {"torch": references.path("tiny_torch"), "paddle": references.path("tiny_paddle")}
+def encode_case(family_fixture):
+    return family_fixture.encode_case()
 
 
 @pytest.fixture(scope="session")
-def images(references):
-    """Real image files (PNG) whose sizes need no resize under the tiny preprocessor config
-    (multiples of 28 within its pixel range), so transformers' two resize backends agree."""
-    return references.files("images")
+def tiny_models(encode_case):
+    """The family's tiny checkpoints (read only) by weight layout: "torch", and e.g. "paddle"
+    (the same weights in Paddle layout) for families with FamilyFact.PADDLE_LAYOUT."""
+    return encode_case.model_dirs
 
 
 @pytest.fixture(scope="session")
-def batch_for(images):
-    """batch_for(model_dir, n) -> ImageBatch of the first n images, preprocessed by our
-    processor with the model dir's preprocessor_config.json."""
-    from .make_references import processed_batch
-
-    def make(model_dir, n=len(images)):
-        return processed_batch(model_dir, images[:n])
+def batch_for(encode_case):
+    """batch_for(model_dir, n) -> ImageBatch of the first n images, preprocessed by the family's
+    processor with the model dir's settings."""
+    def make(model_dir, n=encode_case.num_images):
+        return encode_case.batch(model_dir, n)
     return make

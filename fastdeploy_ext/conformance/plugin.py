@@ -1,11 +1,14 @@
 """pytest plugin (registered through the `pytest11` entry point) behind the conformance suite:
-the --fdx-backend option, the emulation switch (a backend whose device is absent is asked for its
+the --fdx-backend and --fdx-family options, the emulation switch (a backend whose device is absent is asked for its
 ``emulation()`` context, e.g. a fake vendor SDK), and the report header/footer that say which
 backend, row and device were exercised — and "EMULATED" when they were.
 
 Two rules keep a green run honest: a skipped conformance test fails the session (a skipped
 check is not a pass), and tests marked ``fdx_device("cuda")`` are deselected — by name, in the
-summary — on legs whose torch device is another type, instead of being skipped.
+summary — on legs whose torch device is another type, instead of being skipped. Likewise tests
+marked ``fdx_family_fact(FamilyFact.X)`` are deselected, by name and with the fact, for a family
+whose conformance fixture does not declare X (e.g. the toy family has no Paddle-layout
+checkpoints and no device-side metadata path).
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import pytest
 def pytest_addoption(parser):
     g = parser.getgroup("fastdeploy_ext conformance")
     g.addoption("--fdx-backend", default=None, help="registered backend to test (cuda, metax, cpu_amx, cpu, ...)")
+    g.addoption("--fdx-family", default=None,
+                help="model family whose tiny models and references the suite runs (default: the default family)")
     g.addoption("--fdx-no-emulate", action="store_true",
                 help="never emulate a missing device (fail instead of entering the backend's emulation mode)")
 
@@ -38,7 +43,33 @@ def _enter_emulation_if_needed(config, backend: str) -> bool:
     return bool(cls.probe().emulated)
 
 
+def family_option(config) -> str:
+    from ..models.registry import DEFAULT_FAMILY
+    return config.getoption("--fdx-family") or DEFAULT_FAMILY
+
+
+def family_fixture_of(config):
+    """(the family's ConformanceFixture, None) or (None, why not), made once per session in a
+    work dir of its own (removed at the end)."""
+    if not hasattr(config, "_fdx_family_fixture"):
+        import tempfile
+        from ..models.registry import get_family
+        name = family_option(config)
+        try:
+            family = get_family(name)
+        except ValueError as e:          # unknown family: every test fails saying so
+            config._fdx_family_fixture = (None, str(e))
+            return config._fdx_family_fixture
+        config._fdx_workdir = tempfile.TemporaryDirectory(prefix=f"fdx-{name}-")
+        fx = family.conformance_fixture(config._fdx_workdir.name)
+        config._fdx_family_fixture = (fx, None) if fx is not None else (
+            None, "the family supplies no conformance fixture (ModelFamily.conformance_fixture returns None)")
+    return config._fdx_family_fixture
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "fdx_family_fact(fact): conformance test of what only families declaring "
+                                       "this FamilyFact have (deselected, and named in the summary, for others)")
     config.addinivalue_line("markers", "fdx_device(type): conformance test that needs a torch device of this "
                                        "type (deselected, and named in the summary, on other legs)")
     config.addinivalue_line("markers", "fdx_backend(*names): conformance test of what only these backends "
@@ -55,6 +86,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    workdir = getattr(config, "_fdx_workdir", None)
+    if workdir is not None:
+        workdir.cleanup()
     ctx = getattr(config, "_fdx_emulation", None)
     if ctx is not None:
         config._fdx_emulation = None
@@ -73,8 +107,29 @@ def _leg_device_type(backend: str) -> str | None:
     return cls.torch_device(probe).type
 
 
+def _deselect_by_family_facts(config, items) -> None:
+    marked = [i for i in items if i.get_closest_marker("fdx_family_fact")]
+    if not marked:
+        return
+    fx, _ = family_fixture_of(config)
+    if fx is None:
+        return                # the family_fixture fixture fails every test with the reason
+    have = {str(f) for f in fx.facts}
+    name = family_option(config)
+    declared = f"{name} (declares {', '.join(sorted(have)) or 'none of them'})"
+    drop = [i for i in marked if not {str(a) for m in i.iter_markers("fdx_family_fact") for a in m.args} <= have]
+    if drop:
+        config._fdx_not_run += [
+            (i.nodeid, "family with " + "+".join(sorted(str(a) for m in i.iter_markers("fdx_family_fact")
+                                                        for a in m.args)), declared) for i in drop]
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if i not in drop]
+
+
 def pytest_collection_modifyitems(session, config, items):
     backend = config.getoption("--fdx-backend")
+    if backend:
+        _deselect_by_family_facts(config, items)
     by_backend = [i for i in items if i.get_closest_marker("fdx_backend")
                   and backend not in i.get_closest_marker("fdx_backend").args]
     if backend and by_backend:
@@ -117,7 +172,7 @@ def pytest_report_header(config):
         return None
     tag = ("  [EMULATED: the backend's emulation mode (no device; a fake SDK answers its probe), runner code "
            "and row are real]" if config._fdx_emulated else "")
-    return f"fastdeploy_ext conformance: backend={backend}{tag}"
+    return f"fastdeploy_ext conformance: backend={backend} family={family_option(config)}{tag}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -130,4 +185,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"not run on this leg (needs a {need}, the leg's is {have}): {nodeid}")
     for nodeid in config._fdx_skips.skipped:
         terminalreporter.write_line(f"SKIPPED conformance test (a skipped check is not a pass): {nodeid}", red=True)
-    terminalreporter.write_sep("=", f"fastdeploy_ext conformance{tag}: backend={backend} {plan}")
+    terminalreporter.write_sep("=", f"fastdeploy_ext conformance{tag}: backend={backend} "
+                                    f"family={family_option(config)} {plan}")

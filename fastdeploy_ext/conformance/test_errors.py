@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..models.paddleocr_vl.metadata import BatchError
+from ..models.interface import BatchError
 from ..runner import ImageBatch
+from .family_fixture import BAD_BATCH_KINDS
 
 
 @pytest.fixture(scope="module")
@@ -13,26 +14,21 @@ def runner(tiny_models, make_runner):
     return make_runner(tiny_models["torch"])
 
 
-BAD = {
-    "empty": (torch.empty(0, 3, 14, 14), [], "empty batch"),
-    "grid_mismatch": (torch.randn(8, 3, 14, 14), [(1, 2, 2)], "patches"),
-    "odd_grid": (torch.randn(6, 3, 14, 14), [(1, 2, 3)], "divisible"),
-    "zero_dim": (torch.randn(0, 3, 14, 14), [(1, 0, 2)], "non-positive"),
-    "bad_rank": (torch.randn(4, 3, 14), [(1, 2, 2)], "pixel_values must be"),
-    "bad_patch": (torch.randn(4, 3, 16, 16), [(1, 2, 2)], "pixel_values must be"),
-    "not_thw": (torch.randn(4, 3, 14, 14), [(2, 2)], r"\(t, h, w\)"),
-    "int_pixels": (torch.zeros(4, 3, 14, 14, dtype=torch.int64), [(1, 2, 2)], "floating point"),
-}
+@pytest.fixture(scope="module")
+def bad(family_fixture):
+    cases = family_fixture.bad_batches()
+    assert set(cases) == set(BAD_BATCH_KINDS), f"the family's fixture must give every bad batch kind {BAD_BATCH_KINDS}"
+    return cases
 
 
-@pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_batch_is_a_clear_error_and_runner_stays_healthy(case, runner, tiny_models, batch_for):
-    pv, grid, msg = BAD[case]
+@pytest.mark.parametrize("case", sorted(BAD_BATCH_KINDS))
+def test_bad_batch_is_a_clear_error_and_runner_stays_healthy(case, bad, runner, tiny_models, batch_for):
+    pv, grid, msg = bad[case]
     with pytest.raises(BatchError, match=msg):
         runner.encode_images(ImageBatch(pv, grid))
     good = batch_for(tiny_models["torch"], 2)
     feats = runner.encode_images(good)
-    assert [f.shape[0] for f in feats] == [t * h * w // 4 for t, h, w in good.grid_thw]
+    assert [f.shape[0] for f in feats] == runner.family.output_sizes(runner.cfg, good.grid_thw)
     assert all(torch.isfinite(f.float()).all() for f in feats)
 
 

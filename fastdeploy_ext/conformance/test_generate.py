@@ -1,7 +1,7 @@
-"""Generation conformance (issue 8 item 11), on every leg, fp32, on the shipped tiny
-PaddleOCR-VL model dir (tokenizer + chat template): greedy token ids equal transformers'
-`generate` (expected ids ship as package data; compared live too when transformers is
-installed); 8 concurrent requests of different images equal each alone; both
+"""Generation conformance, on every leg, fp32, on the family's tiny model dir (tokenizer + chat
+template): greedy token ids equal the family's reference (PaddleOCR-VL: transformers' `generate`,
+expected ids shipped as package data and compared live too when transformers is installed;
+the toy family: its float64 torch reference); 8 concurrent requests of different images equal each alone; both
 FD_ENABLE_MAX_PREFILL modes (chunks that split an image's tokens included); a KV pool small
 enough to force preemption; the KV pool is fully free after every test."""
 from __future__ import annotations
@@ -18,25 +18,33 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_vl(references):
-    return references.path("tiny_vl")
+def case(family_fixture):
+    c = family_fixture.generate_case()
+    assert c.prompt == PROMPT and c.max_tokens == MAX_TOKENS, "the expected ids are for this prompt and length"
+    assert len(c.expected) == len(c.images)
+    return c
 
 
 @pytest.fixture(scope="module")
-def expected(references):
-    return references.json("generate_greedy")
+def tiny_vl(case):
+    return case.model_dir
 
 
 @pytest.fixture(scope="module")
-def runner(backend_cls, tiny_vl):
+def expected(case):
+    return {"token_ids": case.expected}
+
+
+@pytest.fixture(scope="module")
+def runner(backend_cls, tiny_vl, family_name):
     r = backend_cls.create(PlanRequest(device=backend_cls.name, dtype="float32"))
-    r.load_model(str(tiny_vl), with_text=True)
+    r.load_model(str(tiny_vl), with_text=True, model_family=family_name)
     return r
 
 
 @pytest.fixture(scope="module")
-def images(references):
-    return references.files("images")
+def images(case):
+    return case.images
 
 
 def make_llm(runner, model_dir, **kw):
@@ -51,18 +59,18 @@ def generate(llm, imgs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected):
-    """Against the shipped ids always; with transformers installed, against its `generate` run
-    now as well (no skip without it: the shipped ids are the reference then)."""
-    assert expected["prompt"] == PROMPT and expected["max_tokens"] == MAX_TOKENS
-    names = [p.name for p in images]
-    assert names == expected["images"], "the expected ids are for the shipped images"
+def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected, case):
+    """Against the fixture's ids always (PaddleOCR-VL: the shipped ones); with the family's live
+    reference available (transformers installed), against it run now as well (no skip without
+    it: the shipped ids are the reference then)."""
     llm = make_llm(runner, tiny_vl)
     alone = [generate(llm, [p])[0] for p in images]
     assert alone == expected["token_ids"]
-    from .make_references import reference_greedy_ids
+    if case.live is None:
+        print("the family's expected ids are computed by its reference now: no separate live run")
+        return
     try:
-        live = reference_greedy_ids(tiny_vl, images[:2], PROMPT, MAX_TOKENS)
+        live = case.live(images[:2])
     except ImportError as e:
         print(f"live transformers generate unavailable ({e}); the shipped ids are the reference")
         return
@@ -154,7 +162,7 @@ def test_bf16_teacher_forced_logits_cosine(backend_cls, runner, tiny_vl, images,
     transformers' own bf16 forward reaches only 0.9987 at its worst position."""
     import torch
     bf16 = backend_cls.create(PlanRequest(device=backend_cls.name, dtype="bfloat16"))
-    bf16.load_model(str(tiny_vl), with_text=True)
+    bf16.load_model(str(tiny_vl), with_text=True, model_family=runner.family.name)
     ref = _teacher_forced_logits(runner, tiny_vl, images, expected["token_ids"], monkeypatch)
     got = _teacher_forced_logits(bf16, tiny_vl, images, expected["token_ids"], monkeypatch)
     assert set(got) == set(ref) and len(ref) == len(images) * MAX_TOKENS

@@ -6,7 +6,7 @@ budget falls back to eager. Rows without graph capture must say so.
 
 Graphs run on CUDA only. Every leg still checks what padding to a budget relies on, without a
 graph: an extra padding segment in the packed batch leaves the real images' features unchanged
-(same tolerances)."""
+(same tolerances). Those two need images of any grid packed together (FamilyFact.VARIABLE_GRIDS)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 from ..capabilities import capability_table
 from ..plan import EncoderGraphPath, GraphOptimizationConfig
+from .family_fixture import FamilyFact
+
+VARIABLE_GRIDS = pytest.mark.fdx_family_fact(FamilyFact.VARIABLE_GRIDS)
 
 
 TOLERANCE = {"float32": ("max_abs", 1e-4), "bfloat16": ("cosine", 0.9999), "float16": ("cosine", 0.9999)}
@@ -71,6 +74,7 @@ def _unsupported_dtype_is_a_plan_error(backend_cls, row, dtype: str) -> bool:
     return True
 
 
+@VARIABLE_GRIDS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_and_falls_back_above_budget(dtype, backend_cls, make_runner, tiny_models, batch_for,
                                                                 record_property):
@@ -121,6 +125,7 @@ def test_graph_replay_equals_eager_and_falls_back_above_budget(dtype, backend_cl
     _compare(dtype, out, eager.encode_images(big), "split_replay_vs_unpadded_eager", record_property)
 
 
+@VARIABLE_GRIDS
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_padding_segment_leaves_real_outputs_unchanged(dtype, backend_cls, make_runner, tiny_models, batch_for,
                                                          record_property):

@@ -1,15 +1,20 @@
 """Plan variants that must not change results: strided == dense qkv bitwise (same kernel, same
 rotary placement) and host == device metadata bitwise (two separate code paths). And what
-strided means: the kernel reads views of the qkv projection's own output (qkv_trace.py)."""
+strided means: the kernel reads views of the qkv projection's own output (qkv_trace.py, which
+reads PaddleOCR-VL's encoder structure). For families with FamilyFact.QKV_STRIDED and
+GRID_THW_LAYOUTS."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ..capabilities import capability_table
-from ..models.paddleocr_vl.vision import EncoderLayer
 from ..plan import PlanError
+from .family_fixture import FamilyFact
 from .qkv_trace import check_views_of_projection, trace_encoder
+
+QKV_STRIDED = pytest.mark.fdx_family_fact(FamilyFact.QKV_STRIDED)
+GRID_LAYOUTS = pytest.mark.fdx_family_fact(FamilyFact.GRID_THW_LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +22,7 @@ def batch(tiny_models, batch_for):
     return batch_for(tiny_models["torch"])
 
 
+@QKV_STRIDED
 def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
     dense = make_runner(tiny_models["torch"], qkv_layout="dense")
     backend = dense.plan.attention.value
@@ -34,6 +40,7 @@ def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
         assert torch.equal(x, y), float((x.float() - y.float()).abs().max())
 
 
+@GRID_LAYOUTS
 def test_host_metadata_equals_device_metadata_bitwise(tiny_models, batch, make_runner):
     host = make_runner(tiny_models["torch"], grid_thw="host")
     dev = make_runner(tiny_models["torch"], grid_thw="device")
@@ -53,6 +60,7 @@ def test_host_metadata_equals_device_metadata_bitwise(tiny_models, batch, make_r
         assert torch.equal(x, y)
 
 
+@GRID_LAYOUTS
 def test_pos_embed_cache_hits_on_repeated_sizes(tiny_models, batch, make_runner):
     runner = make_runner(tiny_models["torch"], grid_thw="host")
     first = runner.encode_images(batch)
@@ -74,6 +82,7 @@ def _check(runner, batch) -> list[str]:
     return check_views_of_projection(trace_encoder(runner, batch), vc.hidden_size, vc.head_dim)
 
 
+@QKV_STRIDED
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_strided_qkv_are_views_of_the_projection_output(dtype, tiny_models, batch, make_runner, backend_cls,
                                                         record_property):
@@ -95,6 +104,7 @@ def test_strided_qkv_are_views_of_the_projection_output(dtype, tiny_models, batc
             _check(runner, batch)
 
 
+@QKV_STRIDED
 def test_a_clone_before_the_views_fails_the_check(tiny_models, batch, make_runner, monkeypatch):
     """Mutation: `qkv = qkv.clone()` inserted before the layer takes its views. The kernel still
     gets q/k/v of one buffer with the strided layout's strides, but not the projection's."""
@@ -106,7 +116,8 @@ def test_a_clone_before_the_views_fails_the_check(tiny_models, batch, make_runne
         return
     runner = make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=dense.plan.attention.value)
     _check(runner, batch)                                   # unmodified: passes
-    original = EncoderLayer.attention
-    monkeypatch.setattr(EncoderLayer, "attention", lambda self, qkv, meta, ex: original(self, qkv.clone(), meta, ex))
+    layer_cls = type(runner.model.encoder.layers[0])       # the structure qkv_trace reads
+    original = layer_cls.attention
+    monkeypatch.setattr(layer_cls, "attention", lambda self, qkv, meta, ex: original(self, qkv.clone(), meta, ex))
     with pytest.raises(AssertionError, match="copied dense|not a view of the qkv projection"):
         _check(runner, batch)

@@ -1,41 +1,35 @@
-"""encode numerics vs the transformers reference on tiny checkpoints in both weight layouts.
+"""encode numerics vs the family's reference on its tiny checkpoints, in each weight layout it has.
 
 fp32: max abs error <= 1e-4. bf16: cosine similarity >= 0.999 per image (max abs error reported,
 also as junit properties).
-The reference is transformers' `model.model.get_image_features(...).pooler_output` in fp32 on the
-CPU, fed the same pixel values: the copy shipped with the suite (reference_data/, computed once with
-transformers 5.24 by make_references) always, and, where transformers is installed, the one it
-computes now as well."""
+For PaddleOCR-VL the reference is transformers' `model.model.get_image_features(...).pooler_output`
+in fp32 on the CPU, fed the same pixel values: the copy shipped with the suite (reference_data/,
+computed once with transformers 5.24 by make_references) always, and, where transformers is
+installed, the one it computes now as well. Another family's fixture names its own reference
+(e.g. the toy family's float64 torch reference, computed live)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from .make_references import pixels_sha256
+from .family_fixture import FamilyFact
 
-LAYOUTS = ("torch", "paddle")
+LAYOUTS = ("torch", pytest.param("paddle", marks=pytest.mark.fdx_family_fact(FamilyFact.PADDLE_LAYOUT)))
 SHIPPED_VS_LIVE_MAX_ABS = 1e-5      # the same fp32 CPU computation, another process or thread count
 
 
 @pytest.fixture(scope="module")
-def expected(references, tiny_models, batch_for):
-    """(batch, {source: per-image fp32 features}): "shipped" always, "live" with transformers."""
+def expected(encode_case, tiny_models, batch_for):
+    """(batch, {source: per-image fp32 features}) of the family's fixture (PaddleOCR-VL:
+    "shipped" always, "live" with transformers)."""
     batch = batch_for(tiny_models["torch"])
-    tensors, info = references.tensors("encoder_features")
-    assert info["pixel_values_sha256"] == pixels_sha256(batch.pixel_values), (
-        "the processor's pixels for the shipped images changed since the expected features were computed; "
-        "regenerate with `python -m fastdeploy_ext.conformance.make_references --only encoder_features`")
-    assert info["grid_thw"] == repr([tuple(g) for g in batch.grid_thw])
-    refs = {"shipped": [tensors[f"image{i}"] for i in range(len(batch.grid_thw))]}
-    try:
-        from .tiny_model import reference_image_features
-        refs["live"] = reference_image_features(tiny_models["torch"], batch.pixel_values, batch.grid_thw)
-    except ImportError as e:            # transformers not installed: the shipped copy is the reference
-        print(f"live transformers reference unavailable ({e}); comparing against the shipped one only")
+    refs = encode_case.expected()
+    assert refs and all(len(r) == len(batch.grid_thw) for r in refs.values()), "one reference row set per image"
     return batch, refs
 
 
+@pytest.mark.fdx_family_fact(FamilyFact.SHIPPED_REFERENCES)
 def test_shipped_reference_is_transformers_output(expected, references):
     """The shipped features record their provenance; with transformers present they equal what
     it computes now (so a stale copy cannot hide)."""
@@ -68,13 +62,13 @@ def test_encode_matches_transformers(layout, dtype, tiny_models, expected, make_
     runner = make_runner(tiny_models[layout], dtype=dtype)
     assert runner.load_report.layout == layout
     ours = runner.encode_images(batch)
+    sizes = runner.family.output_sizes(runner.cfg, batch.grid_thw)
     tag = f"[{runner.plan.row}{' EMULATED' if runner.plan.emulated else ''}]"
     for source, ref in refs.items():
         assert len(ours) == len(ref)
         cos, err = [], []
         for i, (o, r) in enumerate(zip(ours, ref)):
-            t, h, w = batch.grid_thw[i]
-            assert o.dtype == getattr(torch, dtype) and tuple(o.shape) == (t * h * w // 4, r.shape[-1])
+            assert o.dtype == getattr(torch, dtype) and tuple(o.shape) == (sizes[i], r.shape[-1])
             o = o.float().cpu()
             cos.append(float(F.cosine_similarity(o.flatten(), r.flatten(), dim=0)))
             err.append(float((o - r).abs().max()))

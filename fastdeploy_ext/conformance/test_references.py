@@ -6,8 +6,11 @@ import shutil
 
 import pytest
 
+from .family_fixture import FamilyFact
 from .make_references import PRODUCERS
 from .references import Manifest, MissingReference
+
+pytestmark = pytest.mark.fdx_family_fact(FamilyFact.SHIPPED_REFERENCES)
 
 
 def test_every_producer_has_an_intact_entry(references):

@@ -6,14 +6,19 @@ device tensors live on ``meta``, where a transfer to the host is visible). The g
 data-dependent ops, read-backs and device->host transfers; on CUDA it adds
 ``set_sync_debug_mode('error')``. Every way to sync listed in DESIGN.md section 6 is injected
 into the host metadata builder below and must make the guard fire, so a pass means something.
+The injections read PaddleOCR-VL's metadata fields (merge permutation, rotary tables) and the
+device path's syncs: those tests are for families with FamilyFact.GRID_THW_LAYOUTS; the
+host path's own no-sync proof runs on every family.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ..models.paddleocr_vl.metadata import MetadataBuilder, VisionMetadata
 from ..sync_guard import HostSyncError
+from .family_fixture import FamilyFact
+
+GRID_LAYOUTS = pytest.mark.fdx_family_fact(FamilyFact.GRID_THW_LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +31,7 @@ def checked(runner):
     return runner.sync_check_runner()
 
 
+@GRID_LAYOUTS
 def test_checked_runner_keeps_device_tensors_off_the_host(runner, checked):
     """On a host device the checked twin must really hold its device tensors on meta (else a
     transfer to the host would be invisible and the proof empty)."""
@@ -45,10 +51,11 @@ def test_host_path_makes_no_sync(checked, tiny_models, batch_for):
     checked.encode_images(batch)                 # warm: kernels compiled, caches filled
     with checked.sync_guard():
         feats = checked.encode_images(batch)
-    assert [f.shape[0] for f in feats] == [t * h * w // 4 for t, h, w in batch.grid_thw]
+    assert [f.shape[0] for f in feats] == checked.family.output_sizes(checked.cfg, batch.grid_thw)
     assert all(f.device.type == checked.device.type for f in feats)
 
 
+@GRID_LAYOUTS
 def test_host_path_cache_miss_makes_no_sync(checked, tiny_models, batch_for):
     """A new (h, w) uploads its tables from pinned memory without a sync too."""
     batch = batch_for(tiny_models["torch"], 1)
@@ -92,26 +99,30 @@ MUTATIONS = {
 }
 
 
-def _inject(monkeypatch, mutation) -> None:
-    original = MetadataBuilder.build_host
+def _inject(monkeypatch, builder, mutation) -> None:
+    """``mutation`` applied to what the runner's own metadata builder class returns."""
+    cls = type(builder)
+    original = cls.build_host
 
-    def build_host(self, grids) -> VisionMetadata:
+    def build_host(self, grids):
         meta = original(self, grids)
         mutation(meta)
         return meta
-    monkeypatch.setattr(MetadataBuilder, "build_host", build_host)
+    monkeypatch.setattr(cls, "build_host", build_host)
 
 
+@GRID_LAYOUTS
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_guard_fires_on_each_sync_injected_into_the_host_builder(name, checked, tiny_models, batch_for,
                                                                   monkeypatch):
     batch = batch_for(tiny_models["torch"], 2)
-    _inject(monkeypatch, MUTATIONS[name])
+    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name])
     with pytest.raises(HostSyncError, match="host sync"):
         with checked.sync_guard():
             checked.encode_images(batch)
 
 
+@GRID_LAYOUTS
 def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner, batch_for):
     """The reference (device metadata) path reads sizes back; the guard must see it. On a CUDA
     device set_sync_debug_mode('error') may name the sync before the op-level guard does (seen on
@@ -122,6 +133,7 @@ def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner,
             checked.encode_images(batch_for(tiny_models["torch"], 1))
 
 
+@GRID_LAYOUTS
 @pytest.mark.fdx_device("cuda")
 @pytest.mark.parametrize("name", ["nonzero", "boolean_mask_indexing", "item", "to_cpu"])
 def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch_for, monkeypatch):
@@ -133,7 +145,7 @@ def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch
     checked.encode_images(batch)
     with cuda_sync_guard():
         checked.encode_images(batch)
-    _inject(monkeypatch, MUTATIONS[name])
+    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name])
     with pytest.raises(RuntimeError, match="synchroniz") as info:
         with cuda_sync_guard():
             checked.encode_images(batch)

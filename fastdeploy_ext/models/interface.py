@@ -20,6 +20,7 @@ import torch
 from ..plan import Component
 
 if TYPE_CHECKING:
+    from ..conformance.family_fixture import ConformanceFixture
     from ..ops.attention.varlen import VarlenAttention
 
 Grid = tuple[int, int, int]
@@ -184,3 +185,10 @@ class ModelFamily(ABC):
     def default_chat_template(self) -> str:
         """The chat template used when a model directory ships none."""
         raise NotImplementedError(f"model family {self.name}: no default chat template")
+
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir: str) -> "ConformanceFixture | None":
+        """The family's tiny models and references for the conformance suite
+        (``--fdx-family NAME``; conformance/family_fixture.py), built into ``workdir`` or shipped.
+        None: the family has none, and the suite says so instead of running."""
+        return None

@@ -135,6 +135,12 @@ class PaddleOCRVLFamily(ModelFamily):
         return DEFAULT_CHAT_TEMPLATE
 
 
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir):
+        from .conformance import PaddleOCRVLConformance
+        return PaddleOCRVLConformance(workdir)
+
+
 #: the released PaddleOCR-VL checkpoint's preprocessor settings (DESIGN.md section 4)
 RELEASED_PREPROCESSOR = dict(min_pixels=147384, max_pixels=2822400, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 

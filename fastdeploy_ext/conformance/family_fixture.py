@@ -1,0 +1,92 @@
+"""What a model family gives the conformance suite: its tiny models and their references.
+
+A family returns a :class:`ConformanceFixture` from ``ModelFamily.conformance_fixture(workdir)``
+(models/interface.py); the suite (``--fdx-family NAME``, default the default family) runs its
+family-neutral tests on it. Each case names the model dir it runs and the reference outputs it
+is compared with, by source: ``"shipped"`` (package data computed once, e.g. by transformers) and
+``"live"`` (computed now by the family's own reference). A family builds its tiny models into
+``workdir`` (or points at shipped ones); nothing here is downloaded.
+
+Tests of what only some families have are marked ``fdx_family_fact(FamilyFact.X)`` and
+deselected, with the reason in the summary, on families whose fixture does not declare X.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+
+class FamilyFact(str, Enum):
+    """What some families' vision paths have and the tests that check it need."""
+    SHIPPED_REFERENCES = "shipped_references"   # references shipped as package data, with provenance
+    PADDLE_LAYOUT = "paddle_layout"             # checkpoints in Paddle layout too (Linear [in, out])
+    GRID_THW_LAYOUTS = "grid_thw_layouts"       # host and device metadata paths (bitwise equal, host one sync-free)
+    QKV_STRIDED = "qkv_strided"                 # strided == dense qkv; the strided kernel reads the projection's views
+    VARIABLE_GRIDS = "variable_grids"           # images of any patch grid packed together (padding segments, budgets)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class EncodeCase:
+    """encode parity: the same weights in each layout, a batch of images, expected features."""
+    model_dirs: dict[str, Path]                          # layout ("torch", "paddle") -> model dir
+    num_images: int
+    batch: Callable[[Path, int], Any]                    # (model dir, n) -> ImageBatch of the first n images
+    expected: Callable[[], dict[str, list[torch.Tensor]]]    # source -> fp32 features per image (all images)
+
+
+@dataclass(frozen=True)
+class TextCase:
+    """decoder parity through the paged step runner: one image's prompt, teacher-forced tokens."""
+    model_dir: Path
+    token_ids: list[int]
+    positions: torch.Tensor                              # int64 [P, n] (P: the family's position_rows)
+    rope_delta: int
+    image: Any                                           # ImageBatch of the one image
+    continuation: list[int]                              # teacher-forced decode tokens after the prompt
+    expected: dict[str, torch.Tensor]                    # source -> fp32 logits [1 + len(continuation), vocab]
+
+
+@dataclass(frozen=True)
+class GenerateCase:
+    """greedy generation through the engine: one request per image, fp32."""
+    model_dir: Path
+    images: list[Path]
+    prompt: str
+    max_tokens: int
+    expected: list[list[int]]                            # greedy ids per image, each request alone
+    live: Callable[[list[Path]], list[list[int]]] | None = None   # recomputed now (None: the shipped ids only)
+
+
+# the bad batches every family must refuse with a clear BatchError (name -> what is wrong)
+BAD_BATCH_KINDS = ("empty", "grid_mismatch", "odd_grid", "zero_dim", "bad_rank", "bad_patch", "not_thw",
+                   "int_pixels")
+
+
+class ConformanceFixture(ABC):
+    """One family's tiny models and references. Cases are built on first use (a leg that runs
+    only encode tests never computes generation references)."""
+    facts: ClassVar[frozenset[FamilyFact]] = frozenset()
+
+    def __init__(self, workdir: str | Path):
+        self.workdir = Path(workdir)
+
+    @abstractmethod
+    def encode_case(self) -> EncodeCase: ...
+
+    @abstractmethod
+    def text_case(self) -> TextCase: ...
+
+    @abstractmethod
+    def generate_case(self) -> GenerateCase: ...
+
+    @abstractmethod
+    def bad_batches(self) -> dict[str, tuple[torch.Tensor, list, str]]:
+        """BAD_BATCH_KINDS -> (pixel_values, grid_thw, a regex the BatchError must match)."""
