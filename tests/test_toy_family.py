@@ -165,7 +165,7 @@ def test_prompt_expands_each_image_to_its_embeddings_with_1d_positions(toy):
     cfg = toy.default_config()
     tok, tpl = toy.load_tokenizer(None, cfg)
     assert tok.decode(tok.encode("héllo <image>"), skip_special_tokens=False) == "héllo <image>"
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "page.png"}},
                                          {"type": "text", "text": "b"}, {"type": "image"}]}]
     p = toy.build_prompt(tok, tpl, cfg, messages=msgs, image_grids=[(1, 4, 4), (1, 4, 4)])
     assert tok.decode(p.token_ids, skip_special_tokens=False) == \

@@ -103,6 +103,12 @@ class ToyVLMFamily(ModelFamily):
         """What one image costs the encoder budget: its patches (the same for every image)."""
         return cfg.patches_per_image
 
+    def eos_token_ids(self, cfg: ToyConfig) -> tuple[int, ...]:
+        return (cfg.eos_token_id,)
+
+    def vocab_size(self, cfg: ToyConfig) -> int:
+        return cfg.vocab_size
+
     def graph_buffers(self, cfg, tokens, attention_state, *, device, dtype):
         from .vision import ToyBudgetBuffers
         return ToyBudgetBuffers(cfg, tokens, attention_state, device=device, dtype=dtype)

@@ -13,11 +13,12 @@ from typing import Sequence
 
 import torch
 
+from fastdeploy_ext.inputs.messages import MessageError, normalize_messages
+
 from .config import ToyConfig
 
 PAD, BOS, EOS, IMAGE = "<pad>", "<s>", "</s>", "<image>"
 BYTE_BASE = 4
-IMAGE_PART_TYPES = ("image", "image_url", "input_image", "image_pil")
 
 
 class PromptError(ValueError):
@@ -101,30 +102,12 @@ class Prompt:
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
     image_token_ranges: list[tuple[int, int]] = field(default_factory=list)   # [start, end) per image
 
+    @property
+    def image_runs(self) -> list[tuple[int, int]]:
+        """(offset, length) of each image's placeholder run (what the engine places rows at)."""
+        return [(a, b - a) for a, b in self.image_token_ranges]
 
-def normalize_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise PromptError("messages must be a non-empty list")
-    out = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise PromptError(f"message {k} must be an object with a 'role'")
-        content = m.get("content", "")
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise PromptError(f"message {k}: content must be a string or a list of parts")
-        parts = []
-        for p in content:
-            kind = p.get("type") if isinstance(p, dict) else None
-            if kind in IMAGE_PART_TYPES:
-                parts.append({"type": "image"})
-            elif kind == "text" and isinstance(p.get("text"), str):
-                parts.append({"type": "text", "text": p["text"]})
-            else:
-                raise PromptError(f"message {k}: unsupported content part {p!r}")
-        out.append({"role": m["role"], "content": parts})
-    return out
+
 
 
 def build_prompt(tokenizer: ByteTokenizer, template: ChatTemplate, cfg: ToyConfig, *, messages=None, prompt=None,
@@ -139,7 +122,10 @@ def build_prompt(tokenizer: ByteTokenizer, template: ChatTemplate, cfg: ToyConfi
         if prompt is None:
             raise PromptError("give messages or a prompt")
         messages = [{"role": "user", "content": [{"type": "image"}] * len(grids) + [{"type": "text", "text": prompt}]}]
-    msgs = normalize_messages(messages)
+    try:
+        msgs = normalize_messages(messages).messages      # the framework's one normalizer
+    except MessageError as e:
+        raise PromptError(str(e)) from None
     n_parts = sum(p["type"] == "image" for m in msgs for p in m["content"])
     if n_parts != len(grids):
         raise PromptError(f"the messages have {n_parts} image part(s) but {len(grids)} image(s) were given")
