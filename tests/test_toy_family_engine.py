@@ -1,10 +1,10 @@
 """toy_vlm through the engine: `generate`, `serve` (the real server and the `openai` client) and the
 conformance suite's generation tests, each against the family's float64 reference greedy ids.
 
-These need the engine to build prompts through the family (``runner.family.build_prompt``, the
-family's position rows and embeddings per item) instead of PaddleOCR-VL's prompt builder: until
-that contract lands they fail at engine/input_processor.py (``ModelPromptBuilder`` reads
-PaddleOCR-VL's ``cfg.text``). Runs in the matrix's cpu/toy-family leg.
+They prove the engine<->runner contract is the family's, not PaddleOCR-VL's: prompts built by
+``runner.family.build_prompt`` with its placeholder runs, 1-row positions (1D rope), a fixed
+number of embeddings per item and the family's own eos and vocabulary. Runs in the matrix's
+cpu/toy-family leg.
 """
 from __future__ import annotations
 
