@@ -25,9 +25,9 @@ from .fallbacks import fallback_notes
 from .capabilities import capability_table
 from .models.interface import CheckpointError, ModelFamily
 from .models.registry import DEFAULT_FAMILY, detect_family, get_family
-from .ops.attention.varlen import get_backend, kernel_facts
-from .ops.attention.paged import PAGED_ATTENTION_BACKENDS, get_paged_backend
-from .plan import CapabilityRow, Component, GridSource, PlanError, PlanRequest, RunPlan, resolve_for_components
+from .ops.kernels import KernelRegistry, kernels_for
+from .plan import (CapabilityRow, Component, ComponentKind, GridSource, PlanError, PlanRequest, RunPlan,
+                   component_of, resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard, cuda_host_sync_guard
 
@@ -121,22 +121,27 @@ class TorchRunner(DeviceRunner):
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
         family = family or get_family(DEFAULT_FAMILY)
+        kernels = kernels_for(cls)      # the built-ins + what this backend contributes (kernel_backends)
 
         def plan_for(components: tuple[Component, ...]) -> RunPlan:
-            text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
-            plan = resolve_for_components(row, request, components, device=str(device), kernels=kernel_facts(device),
+            plan = resolve_for_components(row, request, components, device=str(device),
+                                          kernels=kernels.vision_facts(device),
                                           emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
-                                          text_available=text_available)
+                                          text_available=kernels.paged_availability(device))
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
 
-        return cls(plan_for(family.components(family.default_config())), probe, row, family=family, replan=plan_for)
+        return cls(plan_for(family.components(family.default_config())), probe, row, family=family, replan=plan_for,
+                   kernels=kernels)
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None, *, family: ModelFamily | None = None,
-                 replan: "Callable[[tuple[Component, ...]], RunPlan] | None" = None):
+                 replan: "Callable[[tuple[Component, ...]], RunPlan] | None" = None,
+                 kernels: KernelRegistry | None = None):
         super().__init__(plan, probe)
         self.row = row or capability_table()[plan.row]
+        #: this runner's kernel backends per kind: the built-ins + its backend's contributions
+        self.kernels = kernels or kernels_for(type(self))
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
         self.family = family or get_family(DEFAULT_FAMILY)
@@ -202,8 +207,8 @@ class TorchRunner(DeviceRunner):
         self.plan = dataclasses.replace(self.plan, components=components)
 
     def _set_execution(self) -> None:
-        self.execution = self.family.vision_execution(get_backend(self.plan.attention.value), self.plan.strided_qkv,
-                                                      bool(self.plan.fused_layers.value))
+        attention = self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, self.plan.attention.value)
+        self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
 
     def _init_metadata(self) -> None:
         """The metadata builder of the loaded model on this runner's device."""
@@ -224,7 +229,8 @@ class TorchRunner(DeviceRunner):
         self.text_model.fused = bool(self.plan.fused_layers.value) and decoder_passes.usable(self.device)
         log.info("text decoder: %s attention, KV blocks of %d, %s layers", self.plan.text_attention.value,
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
-        self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),
+        self.text = TextStepRunner(self.text_model, self.kernels.get(ComponentKind.PAGED_DECODER_ATTENTION,
+                                                                     self.plan.text_attention.value),
                                    block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,
                                    image_token_id=self.family.image_token_id(self.cfg),
                                    position_rows=self.family.position_rows)
@@ -273,7 +279,6 @@ class TorchRunner(DeviceRunner):
 
     def _check_head_dim(self, components: tuple[Component, ...]) -> None:
         """A plan that cannot be re-resolved must still fit the model's components."""
-        from .plan import ComponentKind, component_of
         head_dim = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION).head_dim
         backend = self.execution.attention
         lo, hi = backend.head_dims
@@ -281,7 +286,8 @@ class TorchRunner(DeviceRunner):
             raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
                             f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
         text_head_dim = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION).head_dim
-        entry = {e.backend: e for e in self.row.text_attention}[self.plan.text_attention.value]
+        entry = {e.backend: e for e in self.row.entries(ComponentKind.PAGED_DECODER_ATTENTION)}[
+            self.plan.text_attention.value]
         if not entry.head_dims[0] <= text_head_dim <= entry.head_dims[1]:
             raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
                             f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {text_head_dim}")
