@@ -206,6 +206,12 @@ class TorchRunner(DeviceRunner):
         self._check_head_dim(components)
         self.plan = dataclasses.replace(self.plan, components=components)
 
+    def plan_for_model(self, family: ModelFamily, cfg) -> RunPlan:
+        """The plan for ``family``'s model of config ``cfg``, resolved as load_model would before
+        reading any weight (`info --model` shows it without loading one)."""
+        self._plan_for_model(family, cfg)
+        return self.plan
+
     def _set_execution(self) -> None:
         attention = self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, self.plan.attention.value)
         self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
