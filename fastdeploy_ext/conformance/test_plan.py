@@ -5,7 +5,7 @@ import pytest
 
 from ..capabilities import capability_table
 from ..ops.kernels import kernels_for
-from ..plan import ComponentKind, GraphOptimizationConfig, PlanError, PlanRequest
+from ..plan import ComponentKind, GraphOptimizationConfig, GridSource, PlanError, PlanRequest, QkvLayout
 
 VISION = ComponentKind.VISION_VARLEN_ATTENTION
 
@@ -42,7 +42,7 @@ def test_defaults_come_from_the_row(plan, row, emulated, vision_kernels):
     entry = {e.backend: e for e in row.attention}[plan.attention.value]
     # strided exactly when the kernel reads strides and the row does not narrow that
     assert plan.strided_qkv == (vision_kernels[entry.backend].reads_strides and entry.reads_strides is not False)
-    assert plan.grid_thw.value == ("host" if row.host_grid_thw else "device")
+    assert plan.grid_thw.value is (GridSource.HOST if row.host_grid_thw else GridSource.DEVICE)
     if not row.graphs_default or "encoder" not in row.graph_kinds:
         assert plan.graphs.value == ()
     for d in plan.decisions().values():
@@ -108,7 +108,7 @@ def test_consumer_needing_dense_forbids_strided(row, vision_kernels):
     kernels = {n: b.facts((True, "ok")) for n, b in vision_kernels.items()}
     plan = resolve_plan(row, PlanRequest(), device="x", head_dim=72, kernels=kernels,
                         consumers_needing_dense=("in-place q/k norm",))
-    assert plan.qkv_layout.value == "dense" and "q/k norm" in plan.qkv_layout.reason
+    assert plan.qkv_layout.value is QkvLayout.DENSE and "q/k norm" in plan.qkv_layout.reason
     with pytest.raises(PlanError, match=row.name):
         resolve_plan(row, PlanRequest(qkv_layout="strided"), device="x", head_dim=72, kernels=kernels,
                      consumers_needing_dense=("in-place q/k norm",))
