@@ -6,6 +6,7 @@ The model's components drive the resolution: each kind it declares runs that kin
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from .choice import KernelChoice, KindContext
@@ -95,5 +96,4 @@ def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_
     plan = resolve_for_components(row, request, components, device=device, kernels=kernels, emulated=emulated,
                                   row_reason=row_reason, text_available=text_available,
                                   consumers_needing_dense=consumers_needing_dense)
-    from dataclasses import replace
     return replace(plan, components=())

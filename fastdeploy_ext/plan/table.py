@@ -8,7 +8,7 @@ files keep working.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Union
 
@@ -149,7 +149,6 @@ class CapabilityRow:
 
     def with_entries(self, kind: ComponentKind, entries: tuple[KernelEntry, ...]) -> "CapabilityRow":
         """This row with ``kind``'s list replaced."""
-        from dataclasses import replace
         lists = dict(self.kernels) | {kind: tuple(entries)}
         return replace(self, kernels=tuple((k, lists[k]) for k in ComponentKind if k in lists))
 
