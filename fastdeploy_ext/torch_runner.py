@@ -27,7 +27,7 @@ from .models.interface import CheckpointError, ModelFamily
 from .models.registry import DEFAULT_FAMILY, detect_family, get_family
 from .ops.kernels import KernelRegistry, kernels_for
 from .plan import (CapabilityRow, Component, ComponentKind, GridSource, PlanError, PlanRequest, RunPlan,
-                   component_of, resolve_for_components)
+                   resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 from .sync_guard import HostSyncGuard, cuda_host_sync_guard
 
@@ -213,7 +213,8 @@ class TorchRunner(DeviceRunner):
         return self.plan
 
     def _set_execution(self) -> None:
-        attention = self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, self.plan.attention.value)
+        name = self.plan.attention.value        # None: the model has no vision varlen attention
+        attention = None if name is None else self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, name)
         self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
 
     def _init_metadata(self) -> None:
@@ -284,19 +285,23 @@ class TorchRunner(DeviceRunner):
                            graph_memory_bytes=info["memory_bytes"], reason=self.plan.decode_graphs.reason)
 
     def _check_head_dim(self, components: tuple[Component, ...]) -> None:
-        """A plan that cannot be re-resolved must still fit the model's components."""
-        head_dim = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION).head_dim
-        backend = self.execution.attention
-        lo, hi = backend.head_dims
-        if not lo <= head_dim <= hi:
-            raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
-                            f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
-        text_head_dim = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION).head_dim
-        entry = {e.backend: e for e in self.row.entries(ComponentKind.PAGED_DECODER_ATTENTION)}[
-            self.plan.text_attention.value]
-        if not entry.head_dims[0] <= text_head_dim <= entry.head_dims[1]:
-            raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
-                            f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {text_head_dim}")
+        """A plan that cannot be re-resolved must still fit the model's components: each one's
+        head_dim within the range of the kernel chosen for its kind."""
+        for c in components:
+            chosen = self.plan.kernel(c.kind).value
+            if chosen is None:
+                raise PlanError(f"row {self.plan.row}: the plan has no {c.kind} kernel for the model's {c.name}")
+            if c.kind is ComponentKind.VISION_VARLEN_ATTENTION:
+                backend = self.execution.attention
+                lo, hi = backend.head_dims
+                if not lo <= c.head_dim <= hi:
+                    raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
+                                    f"{lo}..{hi}, the model has {c.head_dim}; choose another with --attention-backend")
+            elif c.kind is ComponentKind.PAGED_DECODER_ATTENTION:
+                entry = {e.backend: e for e in self.row.entries(c.kind)}[chosen]
+                if not entry.head_dims[0] <= c.head_dim <= entry.head_dims[1]:
+                    raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
+                                    f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {c.head_dim}")
 
     def _require_model(self):
         if self.model is None:
