@@ -14,12 +14,13 @@ assembled when a runner is created (nothing is read at import time):
 2. **Override file.** ``--capabilities FILE.yaml`` (``PlanRequest.capabilities``), else the
    ``FD_CAPABILITIES`` environment variable, names a YAML file in the same schema. A row whose
    name already exists is updated key by key (each top-level key given replaces the shipped one;
-   keys the schema does not know are an error); a new row must be complete and is placed ahead of
-   the shipped rows, so it matches first.
+   under ``kernels:`` each kind given replaces the shipped list of that kind and the other kinds
+   are kept; keys the schema does not know are an error); a new row must be complete and is
+   placed ahead of the shipped rows, so it matches first.
 
-Errors (missing file, bad YAML, incomplete row, unknown key) raise :class:`CapabilityError`,
-a ``PlanError`` naming the file and the row. Each row records its origin in ``row.source``;
-the plan's notes and ``fastdeploy-ext info`` show it.
+Errors (missing file, bad YAML, incomplete row, unknown key or kernel kind) raise
+:class:`CapabilityError`, a ``PlanError`` naming the file and the row. Each row records its
+origin in ``row.source``; the plan's notes and ``fastdeploy-ext info`` show it.
 
 Schema (one entry under ``rows:`` per device family)::
 
@@ -29,20 +30,28 @@ Schema (one entry under ``rows:`` per device family)::
         match: {...}                   # free-form; read by that runner's row_matches()
         dtypes: [bfloat16, float32]    # what --dtype may ask for
         default_dtype: bfloat16
-        attention:                     # attention backends in preference order
-          - {backend: sdpa, dtypes: [bfloat16]}    # optional reads_strides: false (not verified here)
+        kernels:                       # per kernel kind (plan.ComponentKind): backends in preference order
+          vision_varlen_attention:
+            - {backend: sdpa, dtypes: [bfloat16]}    # optional reads_strides: false (not verified here)
+          paged_decoder_attention:
+            - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
         host_grid_thw: true            # metadata from host ints (zero device syncs) is supported
         graphs: {kinds: [encoder], default: false}    # capture kinds and whether on by default
         fused_layers: {supported: false, default: false}   # optional (absent = unsupported)
-        text_attention:                # optional: the text decoder's paged attention backends
-          - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [bfloat16], graph_safe: false}
         kv_block_size: 16              # optional: tokens per KV block (default 16)
 
-(``attention`` entries name backends of ``fastdeploy_ext/ops/attention/varlen.py``, whose
-objects own their kernel facts (strided reads, head dims, graph safety); a row gives the dtypes
-and may only narrow strided reads with ``reads_strides: false``. ``text_attention``
-entries name backends of ``fastdeploy_ext/ops/attention/paged.py``; ``graph_safe`` there means
-the decode can be captured, which the `decoder` graph kind needs.)
+(``vision_varlen_attention`` entries name backends of ``fastdeploy_ext/ops/attention/varlen.py``
+or ones the row's backend contributes (``DeviceRunner.kernel_backends``); the objects own their
+kernel facts (strided reads, head dims, graph safety); a row gives the dtypes and may only
+narrow strided reads with ``reads_strides: false``. ``paged_decoder_attention`` entries name
+backends of ``fastdeploy_ext/ops/attention/paged.py`` (or contributed ones); ``graph_safe``
+there means the decode can be captured, which the `decoder` graph kind needs. A model
+component whose kind the row lists no backend for is a PlanError naming the row and the kind.)
+
+The form rows had before ``kernels:`` still reads, in shipped rows and override files alike:
+``attention:`` is ``kernels.vision_varlen_attention`` and ``text_attention:`` is
+``kernels.paged_decoder_attention`` (a complete row of that form without ``text_attention``
+gets the portable ``sdpa_paged``, as it always did). Giving one kind both ways is an error.
 
 API: :func:`capability_table` (the assembled table), :func:`shipped_rows` (one backend's rows).
 """
@@ -57,6 +66,7 @@ import yaml
 
 from . import envs
 from .plan import CapabilityRow, PlanError
+from .plan.table import normalize_kernels
 
 __all__ = ["CapabilityError", "capability_table", "shipped_rows"]
 
@@ -80,6 +90,23 @@ def _read(resource: Any, origin: str) -> dict[str, dict]:
         if not isinstance(row, dict):
             raise CapabilityError(f"capability file {origin}: row {name!r} must be a mapping, got {type(row).__name__}")
     return {str(k): dict(v) for k, v in data["rows"].items()}
+
+
+def _normalized(name: str, raw: dict, origin: str, *, complete: bool) -> dict:
+    """``raw`` with the old keys read as ``kernels:`` (plan/table.py); ``complete``: a whole row
+    (shipped, or added by an override), which gets the old form's defaults."""
+    try:
+        return normalize_kernels(name, raw, old_form_defaults=complete)
+    except ValueError as e:
+        raise CapabilityError(f"capability row {name} ({origin}): {e}") from None
+
+
+def _merged(base: dict, update: dict) -> dict:
+    """A shipped row updated by an override's keys: top level key by key, ``kernels`` kind by kind."""
+    out = {**base, **update}
+    if "kernels" in update and "kernels" in base:
+        out["kernels"] = {**base["kernels"], **update["kernels"]}
+    return out
 
 
 def _build(name: str, raw: dict, source: str) -> CapabilityRow:
@@ -115,6 +142,7 @@ def _shipped_raw(backends: Iterable[type]) -> list[tuple[str, dict, str]]:
         seen_files.add(str(resource))
         origin = _origin(resource)
         for name, raw in _read(resource, origin).items():
+            raw = _normalized(name, raw, origin, complete=True)
             if name in owner:
                 raise CapabilityError(f"capability row {name} is shipped twice: by {owner[name]} and by {origin}")
             owner[name] = origin
@@ -147,13 +175,15 @@ def capability_table(override: str | None = None, backends: Iterable[type] | Non
     if not path.is_file():
         raise CapabilityError(f"capability override {override}: no such file (from --capabilities or FD_CAPABILITIES)")
     for name, raw in _read(path, str(path)).items():
+        raw = _normalized(name, raw, str(path), complete=name not in rows)
         if name in rows:
             unknown = sorted(set(raw) - known_keys)
             if unknown:
                 raise CapabilityError(f"capability override {path}: row {name}: unknown keys {unknown} "
                                       f"(known: {sorted(known_keys)})")
             base, origin = rows[name]
-            rows[name] = ({**base, **raw}, f"{origin}, overridden by {path} ({', '.join(sorted(raw))})")
+            given = sorted(k for k in raw if k != "kernels") + [f"kernels.{k}" for k in sorted(raw.get("kernels", {}))]
+            rows[name] = (_merged(base, raw), f"{origin}, overridden by {path} ({', '.join(given)})")
         else:
             unknown = sorted(set(raw) - known_keys) if known_keys else []
             if unknown:

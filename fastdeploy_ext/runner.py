@@ -22,6 +22,7 @@ from .plan import CapabilityRow, PlanRequest, RunPlan
 
 if TYPE_CHECKING:
     from .engine.step import KVCacheSpec, StepBatch
+    from .plan import ComponentKind
     from .platforms import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,14 @@ class DeviceRunner(ABC):
     def create(cls, request: PlanRequest, probe: "ProbeResult | None" = None,
                table: dict[str, CapabilityRow] | None = None) -> "DeviceRunner":
         """Probe (unless given), resolve the plan, and build the runner."""
+
+    @classmethod
+    def kernel_backends(cls) -> "dict[ComponentKind, list]":
+        """Kernel backend objects this backend contributes, per kernel kind (e.g. a vision varlen
+        attention of the vendor's own: a ``VarlenAttention``); its capability rows may name them
+        like the built-ins. They join this runner's table only (ops/kernels.py: built-ins +
+        these), so another backend's runner never sees them. Default: none."""
+        return {}
 
     # ----------------------------------------------------------- instance level
     @abstractmethod

@@ -27,9 +27,9 @@ from .capabilities import capability_table
 from .device_api import DeviceAPI, device_api_for
 from .models.interface import CheckpointError, ModelFamily
 from .models.registry import DEFAULT_FAMILY, detect_family, get_family
-from .ops.attention.varlen import get_backend, kernel_facts
-from .ops.attention.paged import PAGED_ATTENTION_BACKENDS, get_paged_backend
-from .plan import CapabilityRow, Component, GridSource, PlanError, PlanRequest, RunPlan, resolve_for_components
+from .ops.kernels import KernelRegistry, kernels_for
+from .plan import (CapabilityRow, Component, ComponentKind, GridSource, PlanError, PlanRequest, RunPlan,
+                   resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 
 log = logging.getLogger(__name__)
@@ -116,22 +116,27 @@ class TorchRunner(DeviceRunner):
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
         family = family or get_family(DEFAULT_FAMILY)
+        kernels = kernels_for(cls)      # the built-ins + what this backend contributes (kernel_backends)
 
         def plan_for(components: tuple[Component, ...]) -> RunPlan:
-            text_available = {name: b.available(device) for name, b in PAGED_ATTENTION_BACKENDS.items()}
-            plan = resolve_for_components(row, request, components, device=str(device), kernels=kernel_facts(device),
+            plan = resolve_for_components(row, request, components, device=str(device),
+                                          kernels=kernels.vision_facts(device),
                                           emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
-                                          text_available=text_available)
+                                          text_available=kernels.paged_availability(device))
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
 
-        return cls(plan_for(family.components(family.default_config())), probe, row, family=family, replan=plan_for)
+        return cls(plan_for(family.components(family.default_config())), probe, row, family=family, replan=plan_for,
+                   kernels=kernels)
 
     def __init__(self, plan: RunPlan, probe, row: CapabilityRow | None = None, *, family: ModelFamily | None = None,
-                 replan: "Callable[[tuple[Component, ...]], RunPlan] | None" = None):
+                 replan: "Callable[[tuple[Component, ...]], RunPlan] | None" = None,
+                 kernels: KernelRegistry | None = None):
         super().__init__(plan, probe)
         self.row = row or capability_table()[plan.row]
+        #: this runner's kernel backends per kind: the built-ins + its backend's contributions
+        self.kernels = kernels or kernels_for(type(self))
         self.device = torch.device(plan.device)
         self.dtype = DTYPE_BY_NAME[plan.dtype.value]
         self.device_api: DeviceAPI = device_api_for(self.device)
@@ -202,9 +207,16 @@ class TorchRunner(DeviceRunner):
         self._check_head_dim(components)
         self.plan = dataclasses.replace(self.plan, components=components)
 
+    def plan_for_model(self, family: ModelFamily, cfg) -> RunPlan:
+        """The plan for ``family``'s model of config ``cfg``, resolved as load_model would before
+        reading any weight (`info --model` shows it without loading one)."""
+        self._plan_for_model(family, cfg)
+        return self.plan
+
     def _set_execution(self) -> None:
-        self.execution = self.family.vision_execution(get_backend(self.plan.attention.value), self.plan.strided_qkv,
-                                                      bool(self.plan.fused_layers.value))
+        name = self.plan.attention.value        # None: the model has no vision varlen attention
+        attention = None if name is None else self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, name)
+        self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
 
     def _init_metadata(self) -> None:
         """The metadata builder of the loaded model on this runner's device."""
@@ -225,7 +237,8 @@ class TorchRunner(DeviceRunner):
         self.text_model.fused = bool(self.plan.fused_layers.value) and decoder_passes.usable(self.device)
         log.info("text decoder: %s attention, KV blocks of %d, %s layers", self.plan.text_attention.value,
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
-        self.text = TextStepRunner(self.text_model, get_paged_backend(self.plan.text_attention.value),
+        self.text = TextStepRunner(self.text_model, self.kernels.get(ComponentKind.PAGED_DECODER_ATTENTION,
+                                                                     self.plan.text_attention.value),
                                    block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,
                                    device_api=self.device_api,
                                    image_token_id=self.family.image_token_id(self.cfg),
@@ -274,19 +287,23 @@ class TorchRunner(DeviceRunner):
                            graph_memory_bytes=info["memory_bytes"], reason=self.plan.decode_graphs.reason)
 
     def _check_head_dim(self, components: tuple[Component, ...]) -> None:
-        """A plan that cannot be re-resolved must still fit the model's components."""
-        from .plan import ComponentKind, component_of
-        head_dim = component_of(components, ComponentKind.VISION_VARLEN_ATTENTION).head_dim
-        backend = self.execution.attention
-        lo, hi = backend.head_dims
-        if not lo <= head_dim <= hi:
-            raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
-                            f"{lo}..{hi}, the model has {head_dim}; choose another with --attention-backend")
-        text_head_dim = component_of(components, ComponentKind.PAGED_DECODER_ATTENTION).head_dim
-        entry = {e.backend: e for e in self.row.text_attention}[self.plan.text_attention.value]
-        if not entry.head_dims[0] <= text_head_dim <= entry.head_dims[1]:
-            raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
-                            f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {text_head_dim}")
+        """A plan that cannot be re-resolved must still fit the model's components: each one's
+        head_dim within the range of the kernel chosen for its kind."""
+        for c in components:
+            chosen = self.plan.kernel(c.kind).value
+            if chosen is None:
+                raise PlanError(f"row {self.plan.row}: the plan has no {c.kind} kernel for the model's {c.name}")
+            if c.kind is ComponentKind.VISION_VARLEN_ATTENTION:
+                backend = self.execution.attention
+                lo, hi = backend.head_dims
+                if not lo <= c.head_dim <= hi:
+                    raise PlanError(f"row {self.plan.row}: attention backend {backend.name} supports head_dim "
+                                    f"{lo}..{hi}, the model has {c.head_dim}; choose another with --attention-backend")
+            elif c.kind is ComponentKind.PAGED_DECODER_ATTENTION:
+                entry = {e.backend: e for e in self.row.entries(c.kind)}[chosen]
+                if not entry.head_dims[0] <= c.head_dim <= entry.head_dims[1]:
+                    raise PlanError(f"row {self.plan.row}: text attention backend {entry.backend} supports head_dim "
+                                    f"{entry.head_dims[0]}..{entry.head_dims[1]}, the model has {c.head_dim}")
 
     def _require_model(self):
         if self.model is None:

@@ -150,11 +150,67 @@ def test_override_adds_a_row_ahead_of_the_shipped_ones(tmp_path):
     assert list(table)[0] == "cpu_amx_lab" and "(added)" in table["cpu_amx_lab"].source
     plan = create_runner(PlanRequest(device="cpu_amx", capabilities=path)).plan
     assert plan.row == "cpu_amx_lab" and plan.grid_thw.value == "device" and plan.qkv_layout.value == "dense"
+    # a whole row of the form before `kernels:` (no text_attention) gets the portable paged backend
+    assert [e.backend for e in table["cpu_amx_lab"].text_attention] == ["sdpa_paged"]
+    assert plan.text_attention.value == "sdpa_paged"
+
+
+def test_an_old_form_override_still_updates_one_kernel_kind(tmp_path):
+    """`attention:` (the key before `kernels:`) replaces the vision list; the shipped paged list stays."""
+    shipped = capability_table(override="")["cuda_sm90"]
+    path = _write(tmp_path, """
+        rows:
+          cuda_sm90:
+            attention:
+              - {backend: sdpa, dtypes: [bfloat16]}
+        """)
+    row = capability_table(override=path)["cuda_sm90"]
+    assert [e.backend for e in row.attention] == ["sdpa"]
+    assert row.text_attention == shipped.text_attention and row.text_attention[0].backend == "triton_paged"
+    assert "kernels.vision_varlen_attention" in row.source
+    # the same in the new form, one kind given: the other kind is kept too
+    path = _write(tmp_path, """
+        rows:
+          cuda_sm90:
+            kernels:
+              paged_decoder_attention:
+                - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [bfloat16]}
+        """, "new.yaml")
+    row = capability_table(override=path)["cuda_sm90"]
+    assert row.attention == shipped.attention and [e.backend for e in row.text_attention] == ["sdpa_paged"]
+
+
+def test_a_kind_the_row_lists_no_backend_for_is_a_plan_error_naming_row_and_kind(tmp_path):
+    from fastdeploy_ext.plan import PlanError, resolve_plan
+    from tests.plan_facts import ALL_PRESENT
+    path = _write(tmp_path, """
+        rows:
+          vision_only:
+            runner: cpu_amx
+            match: {}
+            dtypes: [float32]
+            default_dtype: float32
+            kernels:
+              vision_varlen_attention:
+                - {backend: sdpa, dtypes: [float32]}
+            host_grid_thw: true
+            graphs: {kinds: [], default: false}
+        """)
+    row = capability_table(override=path)["vision_only"]
+    assert row.text_attention == ()        # the new form gets no default list
+    with pytest.raises(PlanError, match="row vision_only lists no backend for kernel kind paged_decoder_attention"):
+        resolve_plan(row, PlanRequest(), device="cpu", head_dim=72, kernels=ALL_PRESENT)
 
 
 @pytest.mark.parametrize("text,match", [
     ("rows:\n  cpu:\n    default_dtyp: bfloat16\n", r"row cpu: unknown keys \['default_dtyp'\]"),
-    ("rows:\n  new_row:\n    runner: cpu_amx\n", r"new_row .*missing key 'attention'"),
+    ("rows:\n  new_row:\n    runner: cpu_amx\n", r"new_row .*missing key 'kernels'"),
+    ("rows:\n  cpu:\n    kernels: {detector_attention: []}\n",
+     r"row cpu.*unknown kernel kind 'detector_attention'; known: paged_decoder_attention, vision_varlen_attention"),
+    ("rows:\n  cpu:\n    attention: []\n    kernels: {vision_varlen_attention: []}\n",
+     r"row cpu.*gives both attention and kernels.vision_varlen_attention"),
+    ("rows:\n  cpu:\n    kernels: {vision_varlen_attention: [{backend: sdpa, dtypes: [float32], graph_safe: true}]}\n",
+     r"row cpu: vision_varlen_attention entry 'sdpa' has unknown keys \['graph_safe'\]"),
     ("rows:\n  cpu:\n    default_dtype: float16\n", r"cpu .*default_dtype float16 is not in its dtypes"),
     ("rows: [1, 2]\n", r"top-level 'rows:' mapping"),
     ("rows:\n  cpu: [\n", r"not valid YAML"),

@@ -5,7 +5,6 @@ resolved for the components of the config actually read, not for the default mod
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -109,7 +108,8 @@ def test_plan_is_resolved_for_the_config_read():
 def _narrow_text_row(runner):
     """The cpu row with a text backend that takes head_dim 64..256 only (the tiny model has 32)."""
     entry = runner.row.text_attention[0]
-    return dataclasses.replace(runner.row, text_attention=(TextAttentionEntry(entry.backend, (64, 256), entry.dtypes),))
+    return runner.row.with_entries(ComponentKind.PAGED_DECODER_ATTENTION,
+                                   (TextAttentionEntry(entry.backend, (64, 256), entry.dtypes),))
 
 
 def test_a_model_outside_the_kernels_facts_is_refused_at_load():

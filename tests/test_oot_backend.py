@@ -9,6 +9,7 @@ fastdeploy_ext/ or backends/ knows it. Runs in the matrix's cpu/oot-backend leg.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -60,6 +61,14 @@ def test_entry_point_registers_the_backend_and_its_own_row(installed):
     out = r.stdout + r.stderr
     assert "plan: runner=acme row=acme_n1 device=cpu [EMULATED]" in out
     assert "row from fdx_acme/capabilities.yaml" in out
+    # the vendor's own kernel (contributed by AcmeRunner.kernel_backends) is the one chosen
+    r = run(env, "-m", "fastdeploy_ext.entrypoints.cli", "info", "--device", "acme", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["attention"] == {"value": "acme_sdpa", "reason": "first usable in row acme_n1 preference order"}
+    assert plan["qkv_layout"]["value"] == "dense" and "acme_sdpa does not read strided q/k/v" in plan["qkv_layout"]["reason"]
+    assert {c["component"]: c["backend"] for c in plan["component_kernels"]} == {
+        "vision.attention": "acme_sdpa", "text.attention": "sdpa_paged"}
     # without the emulation the probe says, in words, that no card is there
     r = run(installed, "-m", "fastdeploy_ext.entrypoints.cli", "info", "--device", "acme")
     assert r.returncode == 2 and "acme_smi not importable" in r.stderr
@@ -75,4 +84,8 @@ def test_the_vendor_backend_passes_the_conformance_suite(installed, tmp_path):
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
     assert counts["failures"] == counts["errors"] == counts["skipped"] == 0 and counts["tests"] >= 20, counts
+    # the parity checks against transformers passed with the vendor's own kernel chosen
+    parity = [{p.get("name"): p.get("value") for p in case.iter("property")} for case in suite.iter("testcase")
+              if case.get("name", "").startswith("test_encode_matches_transformers")]
+    assert parity and all(p["attention_backend"] == "acme_sdpa" for p in parity), parity
     assert "backend=acme" in r.stdout and "row=acme_n1" in r.stdout and "EMULATED" in r.stdout

@@ -157,3 +157,26 @@ def test_other_rows_decode_eager_over_sdpa(row):
         _plan(row, graph_config=GraphOptimizationConfig(use_cudagraph=True))
     with pytest.raises(PlanError, match=f"row {row} does not list text attention backend 'triton_paged'"):
         _plan(row, text_attention_backend="triton_paged")
+
+
+def test_the_models_components_drive_which_kind_resolvers_run():
+    """A model without a vision component gets no vision kernel (and nothing that follows from
+    one); a kind declared twice is refused; the plan per component names each kernel."""
+    from fastdeploy_ext.plan import Component, ComponentKind, resolve_for_components
+    row = capability_table()["cuda_sm90"]
+    paged = {"triton_paged": (True, "ok"), "sdpa_paged": (True, "ok")}
+    text = Component("text.attention", ComponentKind.PAGED_DECODER_ATTENTION, 128, 16, 2)
+    p = resolve_for_components(row, PlanRequest(), (text,), device="cuda:0", kernels=ALL_PRESENT, text_available=paged)
+    assert p.attention.value is None and p.attention_fallbacks == ()
+    assert p.qkv_layout.value == "dense" and "no vision varlen attention" in p.qkv_layout.reason
+    assert p.graphs.value == () and "no vision varlen attention" in p.graphs.reason
+    assert p.text_attention.value == "triton_paged" and p.decode_graphs.value
+    assert [(c.name, d.value) for c, d in p.component_kernels()] == [("text.attention", "triton_paged")]
+    assert "component text.attention    paged_decoder_attention: 16 heads of 128, 2 KV heads -> triton_paged" \
+        in p.describe()
+    with pytest.raises(PlanError, match="encoder graphs requested but the model has no vision varlen attention"):
+        resolve_for_components(row, PlanRequest(graph_config=GraphOptimizationConfig(use_encoder_cudagraph=True)),
+                               (text,), device="cuda:0", kernels=ALL_PRESENT, text_available=paged)
+    with pytest.raises(PlanError, match="2 components of kind paged_decoder_attention"):
+        resolve_for_components(row, PlanRequest(), (text, text), device="cuda:0", kernels=ALL_PRESENT,
+                               text_available=paged)

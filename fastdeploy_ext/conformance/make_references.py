@@ -96,13 +96,13 @@ def reference_greedy_ids(model_dir: Path, image_paths: list[Path], prompt: str, 
     from .tiny_text_model import load_reference
     from ..engine.input_processor import FamilyPromptBuilder, InputLimits, InputProcessor
     from ..models.paddleocr_vl.config import PaddleOCRVLConfig
-    from ..models.paddleocr_vl.family import PaddleOCRVLFamily
+    from ..models.registry import get_family
     from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
     from ..models.paddleocr_vl.tokenizer import load_chat_template, load_tokenizer
 
     class _Host:
         cfg = PaddleOCRVLConfig.from_model_dir(model_dir)
-    builder = FamilyPromptBuilder(PaddleOCRVLFamily(), _Host.cfg, load_tokenizer(model_dir, _Host.cfg),
+    builder = FamilyPromptBuilder(get_family("paddleocr_vl"), _Host.cfg, load_tokenizer(model_dir, _Host.cfg),
                                   load_chat_template(model_dir))
     proc = InputProcessor(builder, ImageProcessor(PreprocessorConfig.from_model_dir(model_dir)),
                           InputLimits(1, 1 << 30, 1 << 30))

@@ -57,10 +57,12 @@ def test_rows_without_graphs_report_none(backend_cls, make_runner, tiny_models):
         assert "encoder" not in row.graph_kinds or not row.graphs_default or report.reason
 
 
-def _graph_capable(row, device, dtype: str) -> bool:
-    from ..ops.attention.varlen import get_backend
+def _graph_capable(backend_cls, row, device, dtype: str) -> bool:
+    from ..ops.kernels import kernels_for
+    from ..plan import ComponentKind
+    kernels = kernels_for(backend_cls).backends(ComponentKind.VISION_VARLEN_ATTENTION)
     return "encoder" in row.graph_kinds and dtype in row.dtypes and any(
-        get_backend(e.backend).graph_safe and dtype in e.dtypes and get_backend(e.backend).available(device)[0]
+        kernels[e.backend].graph_safe and dtype in e.dtypes and kernels[e.backend].available(device)[0]
         for e in row.attention)
 
 
@@ -81,7 +83,7 @@ def test_graph_replay_equals_eager_and_falls_back_above_budget(dtype, backend_cl
     from ..plan import PlanError, PlanRequest
     row = _row(backend_cls)
     device = backend_cls.torch_device(backend_cls.probe())
-    if not _graph_capable(row, device, dtype):
+    if not _graph_capable(backend_cls, row, device, dtype):
         # no capture kind, no such dtype, or no graph-safe kernel usable on this device in this
         # dtype: a clear plan error naming the row
         with pytest.raises(PlanError, match=row.name):

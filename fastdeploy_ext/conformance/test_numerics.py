@@ -64,6 +64,7 @@ def test_encode_matches_transformers(layout, dtype, tiny_models, expected, make_
     ours = runner.encode_images(batch)
     sizes = runner.family.output_sizes(runner.cfg, batch.grid_thw)
     tag = f"[{runner.plan.row}{' EMULATED' if runner.plan.emulated else ''}]"
+    record_property("attention_backend", runner.plan.attention.value)    # which kernel met the tolerance
     for source, ref in refs.items():
         assert len(ours) == len(ref)
         cos, err = [], []

@@ -137,7 +137,7 @@ def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner,
 @pytest.mark.fdx_device("cuda")
 @pytest.mark.parametrize("name", ["nonzero", "boolean_mask_indexing", "item", "to_cpu"])
 def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch_for, monkeypatch):
-    """CUDA only: torch.cuda.set_sync_debug_mode('error') alone — the op-level guard not
+    """CUDA only: CUDA's sync debug mode ('error', set by sync_guard.cuda_sync_guard) alone — the op-level guard not
     installed — fails on an implicit sync injected into the host builder, and passes the
     unmodified path: the CUDA proof stands without the op list."""
     from ..sync_guard import cuda_sync_guard

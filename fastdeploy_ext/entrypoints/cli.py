@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -30,7 +31,7 @@ def build_runner(args, source: ModelSource | None = None):
     except (PlanError, RuntimeError, ValueError) as e:
         raise CliError(str(e)) from None
     if source is not None:
-        from ..models.paddleocr_vl.loader import CheckpointError
+        from ..models.interface import CheckpointError
         try:
             source.load_into(runner)
         except (CheckpointError, FileNotFoundError, ValueError) as e:
@@ -47,9 +48,29 @@ def build_runner(args, source: ModelSource | None = None):
 
 
 # -------------------------------------------------------------------------- info
+def _info_model(args) -> tuple[object, object, dict]:
+    """The family and config `info` resolves the plan for: --model DIR's config.json (no weight
+    is read), --model-family NAME's built-in config, or the default family's (also for
+    --load-format dummy); with what was read, for the report."""
+    from ..models.interface import CheckpointError
+    from ..models.registry import detect_family
+    model_dir = None if args.load_format == "dummy" else args.model
+    if args.load_format == "dummy" and args.model:
+        log.info("--load-format dummy: ignoring --model %s", args.model)
+    try:
+        choice = detect_family(model_dir, args.model_family)
+        cfg = choice.family.read_config(model_dir) if model_dir else choice.family.default_config()
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from None
+    return choice.family, cfg, {"family": choice.family.name, "reason": choice.reason,
+                                "config": f"{model_dir}/config.json" if model_dir else "built-in"}
+
+
 def cmd_info(args) -> int:
     """The text report, or with --json one JSON object only (backends, environment, capability
-    rows, probes, the plan): a script reads stdout with json.loads."""
+    rows, probes, the model the plan is for, the plan per component): a script reads stdout with
+    json.loads. The plan is resolved for --model DIR's config (only config.json is read) or a
+    family's built-in config; without them, the default family's."""
     from ..runner import available_backends
     backends = available_backends()
     from ..capabilities import capability_table
@@ -57,9 +78,16 @@ def cmd_info(args) -> int:
         table = capability_table(args.capabilities)
     except PlanError as e:
         raise CliError(str(e)) from None
+    if args.model and args.load_format != "dummy" and not os.path.isdir(args.model):
+        raise CliError(f"--model {args.model}: not a directory (a model directory with config.json)")
+    family, cfg, model = _info_model(args)
     from ..runner import create_runner
     try:
         runner = create_runner(plan_request_from_args(args))
+        plan_for_model = getattr(runner, "plan_for_model", None)
+        if plan_for_model is None:
+            raise CliError(f"backend {runner.name} cannot resolve its plan for a model before loading it")
+        plan = plan_for_model(family, cfg)
     except (PlanError, RuntimeError, ValueError) as e:
         raise CliError(str(e)) from None
     if args.json:
@@ -68,7 +96,8 @@ def cmd_info(args) -> int:
                           "capability_rows": {name: {"runner": row.runner, "source": str(row.source)}
                                               for name, row in table.items()},
                           "probes": {name: cls.probe().summary() for name, cls in sorted(backends.items())},
-                          "probe": runner.probe_result.to_dict(), "plan": runner.plan.to_dict()}, default=str))
+                          "probe": runner.probe_result.to_dict(), "model": model, "plan": plan.to_dict()},
+                         default=str))
         return 0
     print("fastdeploy_ext info")
     print("backends:", ", ".join(sorted(backends)))
@@ -79,6 +108,7 @@ def cmd_info(args) -> int:
     print("probes:")
     for name, cls in sorted(backends.items()):
         print(f"  {name:<8} {cls.probe().summary()}")
+    print(f"model: {model['family']} family ({model['reason']}), config {model['config']}")
     print(runner.describe())
     return 0
 
@@ -88,17 +118,17 @@ def cmd_encode(args) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from ..models.paddleocr_vl.metadata import BatchError
     from ..inputs.images import ImageInputError, resolve_source
-    from ..models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+    from ..models.interface import BatchError
+    from ..models.registry import detect_family
     from ..runner import ImageBatch
 
     source = model_source_from_args(args)
-    try:
-        pcfg = PreprocessorConfig.from_model_dir(source.model_dir) if source.model_dir else PreprocessorConfig()
-    except ValueError as e:
+    try:   # the family the runner will load (the same detection), for its host-side processor
+        family = detect_family(source.model_dir, source.model_family).family
+        processor = family.image_processor(source.model_dir)
+    except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
-    processor = ImageProcessor(pcfg)
     try:   # images first: a bad file fails fast, before the model is loaded
         # a path, a file:// path or a data: URL (fastdeploy_ext/inputs), named by its path
         labels = [source_label(p) for p in args.image]
@@ -188,13 +218,14 @@ def source_label(value: str) -> str:
 
 
 def cmd_bench_generate(args) -> int:
-    import torch
-
     from ..bench import generate as generate_bench
+    from ..runner import choose_device
     source = model_source_from_args(args, default_dummy=True)
     config = engine_config_from_args(args, source, plan_request_from_args(args))
-    on_cpu = args.device in ("cpu", "cpu_amx") or (args.device == "auto" and not torch.cuda.is_available())
     try:
+        # the host backends get the bench's smaller default workloads (a 1080p page takes minutes there)
+        backend = args.device if args.device != "auto" else choose_device("auto")[0].name
+        on_cpu = backend in ("cpu", "cpu_amx")
         opts = generate_bench.options_from_args(args, on_cpu)
         return generate_bench.run_cli(config, opts)
     except (PlanError, RuntimeError, ValueError) as e:
@@ -206,7 +237,9 @@ def build_parser():
     p.add_argument("--version", action="version", version=f"fastdeploy-ext {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    info = command_parser(sub, "info", "print device probes and the run plan with reasons")
+    info = command_parser(sub, "info", "print device probes and the run plan with reasons (per model component: "
+                                       "--model DIR reads only its config.json)")
+    add_model_args(info)
     add_runner_args(info, model=False)
     info.add_argument("--json", action="store_true", help="print one JSON object only (probes, rows, plan)")
     info.set_defaults(func=cmd_info)

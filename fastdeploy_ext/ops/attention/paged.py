@@ -21,7 +21,8 @@ memory on CUDA): no device->host sync anywhere in a step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -148,16 +149,18 @@ def _triton_decode(q, kc, vc, meta, scale):
                         max_context_len=meta.extras.get("graph_max_context", meta.max_context_len))
 
 
-PAGED_ATTENTION_BACKENDS: dict[str, PagedAttentionBackend] = {
-    b.name: b for b in (
-        PagedAttentionBackend("triton_paged", _triton_prefill, _triton_decode, _triton_available,
-                              graph_safe_decode=True),
-        PagedAttentionBackend("sdpa_paged", sdpa_prefill, sdpa_decode, _always, graph_safe_decode=False),
-    )
-}
+#: the framework's own backends; a runner's table (ops/kernels.py) adds those its backend contributes
+BUILTIN_PAGED_BACKENDS: tuple[PagedAttentionBackend, ...] = (
+    PagedAttentionBackend("triton_paged", _triton_prefill, _triton_decode, _triton_available, graph_safe_decode=True),
+    PagedAttentionBackend("sdpa_paged", sdpa_prefill, sdpa_decode, _always, graph_safe_decode=False),
+)
+#: the built-ins by name, read-only
+PAGED_ATTENTION_BACKENDS: Mapping[str, PagedAttentionBackend] = MappingProxyType(
+    {b.name: b for b in BUILTIN_PAGED_BACKENDS})
 
 
 def get_paged_backend(name: str) -> PagedAttentionBackend:
+    """A built-in backend by name (a runner resolves contributed ones through its own table)."""
     try:
         return PAGED_ATTENTION_BACKENDS[name]
     except KeyError:

@@ -7,17 +7,19 @@ strided q/k/v, whether a CUDA graph can replay it over a padded token budget, th
 supports, whether it applies the 2D rotary itself, and the per-batch preparation it needs (the
 Triton kernel's block table, built from host ints by :meth:`VarlenAttention.prepare`). The
 capability table (capabilities.yaml) says which of them a device row prefers and in which
-dtypes; the plan picks.
+dtypes; the plan picks. A device backend may contribute objects of its own
+(``DeviceRunner.kernel_backends``; ops/kernels.py composes each runner's table).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from ...plan import KernelFacts
+from ...plan.table import KernelFacts
 from ..rotary import rotary_q_and_k_in_place
 
 Upload = Callable[[torch.Tensor], torch.Tensor]    # host tensor -> the same values on the device
@@ -180,25 +182,22 @@ class _GraphBlockTable:
 
 
 _TRITON_ROPE = TritonVarlen("triton_rope_varlen", rotary=True)
-ATTENTION_BACKENDS: dict[str, VarlenAttention] = {
-    b.name: b for b in (
-        _TRITON_ROPE,
-        TritonVarlen("triton_varlen", rotary=False),
-        Fa3Varlen("fa3_varlen", short=_TRITON_ROPE),
-        SdpaLoop("sdpa_cudnn", "CUDNN_ATTENTION", head_dims=(8, 128), cuda_only=True),
-        SdpaLoop("sdpa_flash", "FLASH_ATTENTION", head_dims=(8, 256), cuda_only=True),
-        SdpaLoop("sdpa", None, head_dims=(1, 512), cuda_only=False),
-    )
-}
+#: the framework's own backends; a runner's table (ops/kernels.py) adds those its backend contributes
+BUILTIN_VARLEN_BACKENDS: tuple[VarlenAttention, ...] = (
+    _TRITON_ROPE,
+    TritonVarlen("triton_varlen", rotary=False),
+    Fa3Varlen("fa3_varlen", short=_TRITON_ROPE),
+    SdpaLoop("sdpa_cudnn", "CUDNN_ATTENTION", head_dims=(8, 128), cuda_only=True),
+    SdpaLoop("sdpa_flash", "FLASH_ATTENTION", head_dims=(8, 256), cuda_only=True),
+    SdpaLoop("sdpa", None, head_dims=(1, 512), cuda_only=False),
+)
+#: the built-ins by name, read-only
+ATTENTION_BACKENDS: Mapping[str, VarlenAttention] = MappingProxyType({b.name: b for b in BUILTIN_VARLEN_BACKENDS})
 
 
 def get_backend(name: str) -> VarlenAttention:
+    """A built-in backend by name (a runner resolves contributed ones through its own table)."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}") from None
-
-
-def kernel_facts(device: torch.device) -> dict[str, KernelFacts]:
-    """Every backend's facts with its availability on ``device``: the plan's input."""
-    return {name: b.facts(b.available(device)) for name, b in ATTENTION_BACKENDS.items()}

@@ -116,15 +116,44 @@ class KernelTable:
     """One module's raw kernel functions, each decorated on first use (:func:`jit_decorator`), so
     importing the module costs nothing and works without triton. ``raw``: a function returning
     name -> raw kernel (called only once a kernel is asked for: the raw functions exist only
-    where triton imported)."""
+    where triton imported).
 
-    def __init__(self, raw):
-        self._raw, self._made = raw, {}
+    ``helpers``: likewise, the raw device functions the kernels call (``_load_tile`` inside a
+    kernel). A kernel resolves a call by name in its globals, and Triton only lowers calls to
+    decorated functions; so the kernels and helpers are rebuilt over one private namespace (the
+    module's globals with the helpers decorated) instead of rebinding the module's own names."""
+
+    def __init__(self, raw, helpers=None):
+        self._raw, self._helpers, self._made = raw, helpers, {}
+        self._namespace: dict | None = None
+
+    def _rebuilt(self, fn):
+        """``fn`` over the private namespace, when there are helpers (else ``fn`` itself)."""
+        if self._helpers is None:
+            return fn
+        if self._namespace is None:
+            raw_helpers = self._helpers()
+            ns = dict(next(iter(raw_helpers.values())).__globals__)
+            deco = jit_decorator()
+            for name, h in raw_helpers.items():
+                ns[name] = deco(_with_globals(h, ns))
+            self._namespace = ns
+        return _with_globals(fn, self._namespace)
 
     def __getitem__(self, name: str):
         if name not in self._made:
-            self._made[name] = jit_decorator()(self._raw()[name])
+            self._made[name] = jit_decorator()(self._rebuilt(self._raw()[name]))
         return self._made[name]
+
+
+def _with_globals(fn, namespace: dict):
+    """A copy of function ``fn`` whose global names resolve in ``namespace``."""
+    import types
+    out = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__qualname__, out.__doc__, out.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    out.__kwdefaults__, out.__annotations__ = fn.__kwdefaults__, dict(getattr(fn, "__annotations__", {}))
+    out.__wrapped__ = fn
+    return out
 
 
 def _interpreter_numpy_compat() -> None:

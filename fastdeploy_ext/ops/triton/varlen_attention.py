@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .runtime import TRITON_INTERPRETED, jit_decorator, tl, triton, triton_available_cached
+from .runtime import TRITON_INTERPRETED, KernelTable, tl, triton, triton_available_cached
 
 __all__ = [
     "BLOCK_M",
@@ -125,7 +125,7 @@ def _default_config(head_dim: int, dtype: torch.dtype, block_m: int) -> tuple[in
 
 
 # --------------------------------------------------------------------------------------------
-# kernels (raw functions; decorated on first use, see _get_kernel)
+# kernels (raw functions; decorated on first use, see _KERNELS)
 #
 # Loads carry no masks at all: rows past the end of a sequence are clamped to its last row and
 # head-dim columns past head_dim (in the padded remainder chunk) are mapped back onto valid
@@ -295,23 +295,8 @@ if triton is not None:
             tl.store(o_rows + offs_d1[None, :], out1, mask=m_mask[:, None] & (offs_d1[None, :] < HEAD_DIM))
 
 
-_KERNEL = None
-
-
-def _get_kernel():
-    """Decorate the raw kernel functions once, in the mode triton was imported in.
-
-    Done on first use (not at import) so importing this module costs nothing; the helpers
-    replace their raw module-level functions so the kernel's calls resolve to decorated ones.
-    """
-    global _KERNEL, _chunk_cols, _load_tile, _attn_step
-    if _KERNEL is None:
-        deco = jit_decorator()
-        _chunk_cols = deco(_chunk_cols)
-        _load_tile = deco(_load_tile)
-        _attn_step = deco(_attn_step)
-        _KERNEL = deco(_varlen_attn_fwd)
-    return _KERNEL
+_KERNELS = KernelTable(lambda: {"fwd": _varlen_attn_fwd},
+                       helpers=lambda: {"_chunk_cols": _chunk_cols, "_load_tile": _load_tile, "_attn_step": _attn_step})
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,7 +440,7 @@ def varlen_attention(
     out_k = out if _is_aligned(out, vec) else _as_aligned(torch.empty_like(out), vec)
 
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg else {}
-    _get_kernel()[(num_blocks, n_heads)](
+    _KERNELS["fwd"][(num_blocks, n_heads)](
         q, k, v, out_k, block_table,
         q.stride(0) // vec, q.stride(1) // vec,
         k.stride(0) // vec, k.stride(1) // vec,

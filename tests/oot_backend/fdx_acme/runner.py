@@ -1,6 +1,7 @@
 """The Acme N1 runner: hooks only. The vision path is fastdeploy_ext's shared TorchRunner; this
 class says how to find the device (probe), which capability row fits it, which torch device runs
-it and how to emulate it on a machine without the card.
+it, how to emulate it on a machine without the card, and which kernel of its own it contributes
+(attention.py's ``acme_sdpa``, which its row prefers).
 
 The N1's PyTorch plugin would expose the card as a torch device of its own; this sample has no
 such plugin, so the emulated N1 runs on the CPU (its row is still its own: the plan, the suite and
@@ -13,8 +14,10 @@ import sys
 
 import torch
 
+from fastdeploy_ext.plan import ComponentKind
 from fastdeploy_ext.torch_runner import TorchRunner
 
+from .attention import ACME_SDPA
 from .probe import probe_acme
 
 
@@ -24,6 +27,11 @@ class AcmeRunner(TorchRunner):
     @classmethod
     def probe(cls):
         return probe_acme()
+
+    @classmethod
+    def kernel_backends(cls):
+        """The N1's own vision attention joins this runner's kernel table (and no other runner's)."""
+        return {ComponentKind.VISION_VARLEN_ATTENTION: [ACME_SDPA]}
 
     @classmethod
     def row_matches(cls, row, probe) -> bool:

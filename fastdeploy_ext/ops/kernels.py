@@ -1,0 +1,96 @@
+"""Kernel backend objects per component kind: the framework's built-ins, and a runner's table.
+
+A backend object owns its kernel's facts (ops/attention/varlen.py's VarlenAttention, paged.py's
+PagedAttentionBackend); a capability row names backends per kind and the plan picks. The
+built-ins are one immutable registry (:func:`builtin_kernels`). A device backend may contribute
+kernels of its own (``DeviceRunner.kernel_backends()``); :func:`kernels_for` composes a runner
+class's table as the built-ins plus its contributions, a new immutable registry per runner, so a
+contributed kernel is visible only to the runner that contributed it — never to another
+backend's runner, nor to the next test.
+"""
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..plan.kinds import ComponentKind
+
+
+def _kind_types() -> dict[ComponentKind, type]:
+    from .attention.paged import PagedAttentionBackend
+    from .attention.varlen import VarlenAttention
+    return {ComponentKind.VISION_VARLEN_ATTENTION: VarlenAttention,
+            ComponentKind.PAGED_DECODER_ATTENTION: PagedAttentionBackend}
+
+
+class KernelRegistry:
+    """Backend objects by kind and name; immutable (composition makes a new registry)."""
+
+    def __init__(self, by_kind: Mapping[ComponentKind, Mapping[str, Any]], origin: Mapping[str, str] | None = None):
+        self._by_kind = MappingProxyType({k: MappingProxyType(dict(v)) for k, v in by_kind.items()})
+        self._origin = MappingProxyType(dict(origin or {}))      # "kind/name" -> who contributed it
+
+    def backends(self, kind: ComponentKind) -> Mapping[str, Any]:
+        """name -> backend object of ``kind`` (read-only)."""
+        return self._by_kind.get(kind, MappingProxyType({}))
+
+    def get(self, kind: ComponentKind, name: str) -> Any:
+        backends = self.backends(kind)
+        if name not in backends:
+            raise ValueError(f"unknown {kind} backend {name!r}; known: {', '.join(backends) or 'none'}")
+        return backends[name]
+
+    def origin(self, kind: ComponentKind, name: str) -> str:
+        """``built-in`` or the backend that contributed it."""
+        return self._origin.get(f"{kind}/{name}", "built-in")
+
+    def with_contributions(self, contributed: Mapping[ComponentKind, Sequence[Any]], contributor: str
+                           ) -> "KernelRegistry":
+        """This registry plus ``contributor``'s backend objects. A kind that is no ComponentKind,
+        an object of the wrong type for its kind, or a name already taken is a ValueError naming
+        the contributor (a contribution never replaces a built-in)."""
+        if not contributed:
+            return self
+        types = _kind_types()
+        merged = {k: dict(v) for k, v in self._by_kind.items()}
+        origin = dict(self._origin)
+        for kind, objects in contributed.items():
+            if not isinstance(kind, ComponentKind):
+                raise ValueError(f"backend {contributor}: kernel_backends() key {kind!r} is not a ComponentKind "
+                                 f"(known: {', '.join(k.value for k in ComponentKind)})")
+            for obj in objects:
+                if not isinstance(obj, types[kind]):
+                    raise ValueError(f"backend {contributor}: a {kind} backend must be a {types[kind].__name__}, "
+                                     f"got {type(obj).__name__}")
+                table = merged.setdefault(kind, {})
+                if obj.name in table:
+                    raise ValueError(f"backend {contributor}: {kind} backend {obj.name!r} is already registered "
+                                     f"({origin.get(f'{kind}/{obj.name}', 'built-in')}); give it a name of its own")
+                table[obj.name] = obj
+                origin[f"{kind}/{obj.name}"] = contributor
+        return KernelRegistry(merged, origin)
+
+    def vision_facts(self, device: torch.device):
+        """Every vision attention backend's facts with its availability on ``device``: the plan's input."""
+        return {n: b.facts(b.available(device)) for n, b in self.backends(ComponentKind.VISION_VARLEN_ATTENTION).items()}
+
+    def paged_availability(self, device: torch.device) -> dict[str, tuple[bool, str]]:
+        """Every paged decoder attention backend's (present, reason) on ``device``."""
+        return {n: b.available(device) for n, b in self.backends(ComponentKind.PAGED_DECODER_ATTENTION).items()}
+
+
+@functools.cache
+def builtin_kernels() -> KernelRegistry:
+    """The framework's own backends (built once: the registry is immutable)."""
+    from .attention.paged import BUILTIN_PAGED_BACKENDS
+    from .attention.varlen import BUILTIN_VARLEN_BACKENDS
+    return KernelRegistry({ComponentKind.VISION_VARLEN_ATTENTION: {b.name: b for b in BUILTIN_VARLEN_BACKENDS},
+                           ComponentKind.PAGED_DECODER_ATTENTION: {b.name: b for b in BUILTIN_PAGED_BACKENDS}})
+
+
+def kernels_for(runner_cls) -> KernelRegistry:
+    """The kernel table of a runner class: the built-ins plus its ``kernel_backends()``."""
+    return builtin_kernels().with_contributions(runner_cls.kernel_backends(), getattr(runner_cls, "name", "?"))

@@ -1,0 +1,130 @@
+"""The decisions that are no single kind's kernel: dtype, grid source, qkv layout, encoder and
+decoder graphs, fused layers. Each reads the row, the typed request and the kernels chosen."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from .choice import KernelChoice
+from .graph_config import GraphOptimizationConfig
+from .kinds import AUTO, Decision, GridSource, PlanError, QkvLayout, Switch, requested
+from .table import CapabilityRow, KernelFacts
+from .vision_attention import VisionKernels
+
+
+def resolve_dtype(row: CapabilityRow, value: str) -> Decision:
+    if value == AUTO:
+        return Decision(row.default_dtype, f"default of row {row.name}")
+    if value in row.dtypes:
+        return Decision(value, "requested")
+    raise PlanError(f"row {row.name} does not support dtype {value}; it supports {', '.join(row.dtypes)}")
+
+
+def resolve_grid_source(row: CapabilityRow, value: str) -> Decision:
+    want = requested(GridSource, value)
+    if want is GridSource.HOST and not row.host_grid_thw:
+        raise PlanError(f"row {row.name} does not support host grid_thw metadata")
+    if want is not None:
+        return Decision(want, "requested")
+    if row.host_grid_thw:
+        return Decision(GridSource.HOST, "host ints from the preprocessor: no device->host syncs")
+    return Decision(GridSource.DEVICE, f"row {row.name} has no host metadata path")
+
+
+def resolve_qkv_layout(vk: VisionKernels, chosen: KernelChoice | None, value: str,
+                       consumers_needing_dense: tuple[str, ...]) -> Decision:
+    """Strided (views of the fused qkv projection) where the chosen vision kernel reads strides,
+    the row does not narrow that and no consumer needs dense q/k/v; ``chosen`` None: the model
+    has no vision varlen attention."""
+    row, want = vk.row, requested(QkvLayout, value)
+    blockers = []
+    if chosen is None:
+        blockers.append("the model has no vision varlen attention")
+    elif not vk.facts(chosen.entry).reads_strides:
+        blockers.append(f"{chosen.entry.backend} does not read strided q/k/v")
+    elif chosen.entry.reads_strides is False:
+        blockers.append(f"{chosen.entry.backend}'s strided loads are not verified on row {row.name}")
+    blockers += [f"{c} needs dense q/k/v" for c in consumers_needing_dense]
+    if want is QkvLayout.STRIDED and blockers:
+        raise PlanError(f"row {row.name}: strided qkv impossible: {'; '.join(blockers)}")
+    if want is not None:
+        return Decision(want, "requested")
+    if blockers:
+        return Decision(QkvLayout.DENSE, "; ".join(blockers))
+    return Decision(QkvLayout.STRIDED, f"{chosen.entry.backend} reads strides and no consumer needs dense q/k/v")
+
+
+def resolve_encoder_graphs(vk: VisionKernels, chosen: KernelChoice | None, grid: Decision,
+                           gc: GraphOptimizationConfig) -> Decision:
+    row = vk.row
+    if gc.use_encoder_cudagraph and "encoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
+    want = row.graphs_default if gc.use_encoder_cudagraph is None else gc.use_encoder_cudagraph
+    graph_safe = [e for e in row.attention if vk.facts(e).graph_safe and not vk.usable(e)]
+    if not want:
+        return Decision((), "off by default on row " + row.name if gc.use_encoder_cudagraph is None
+                        else "use_encoder_cudagraph=false")
+    if chosen is None:
+        if gc.use_encoder_cudagraph:
+            raise PlanError(f"row {row.name}: encoder graphs requested but the model has no vision varlen attention")
+        return Decision((), "the model has no vision varlen attention")
+    backend = chosen.entry.backend
+    if not vk.facts(chosen.entry).graph_safe:
+        if gc.use_encoder_cudagraph:
+            raise PlanError(f"row {row.name}: encoder graphs need a graph-safe attention backend "
+                            f"({[e.backend for e in graph_safe] or 'none usable'}), plan chose {backend}")
+        return Decision((), f"{backend} cannot be replayed over padded budgets")
+    if grid.value is not GridSource.HOST:
+        if gc.use_encoder_cudagraph:
+            raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
+        return Decision((), "graphs need host metadata")
+    return Decision(tuple(gc.encoder_graph_paths),
+                    "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
+
+
+def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text: KernelChoice | None) -> Decision:
+    """Decoder CUDA graphs per batch-size bucket: on where the row lists the `decoder` graph kind
+    (by default when the row's graphs are on by default) and the paged backend's decode is graph
+    safe; ``use_cudagraph`` forces them on (a PlanError naming the row where impossible) or off.
+    ``text`` None: the model has no paged decoder attention."""
+    forced = gc.use_cudagraph
+    if forced and "decoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no decoder graph capture "
+                        f"(graph kinds: {list(row.graph_kinds) or 'none'})")
+    if forced is False:
+        return Decision((), "use_cudagraph=false")
+    if forced is None and not ("decoder" in row.graph_kinds and row.graphs_default):
+        return Decision((), f"row {row.name} has no decoder graphs by default (eager decode)")
+    if text is None:
+        if forced:
+            raise PlanError(f"row {row.name}: decoder graphs requested but the model has no paged decoder attention")
+        return Decision((), "the model has no paged decoder attention")
+    if not text.entry.graph_safe:
+        if forced:
+            raise PlanError(f"row {row.name}: decoder graphs need a graph-safe text attention backend, "
+                            f"plan chose {text.entry.backend}")
+        return Decision((), f"{text.entry.backend} decode cannot be captured (its grid depends on the step)")
+    why = "requested" if forced else f"on by default on row {row.name}: decode is launch-bound (18 layers eager)"
+    return Decision(tuple(gc.cudagraph_capture_sizes), why)
+
+
+def resolve_fused_layers(row: CapabilityRow, value: str, kernels: Mapping[str, KernelFacts],
+                         notes: list[str]) -> Decision:
+    """Fused residual/bias/LayerNorm + rotary passes (Triton) and the GEMM's GELU epilogue."""
+    want = requested(Switch, value)
+    if want is Switch.ON and not row.fused_supported:
+        raise PlanError(f"row {row.name} does not support fused layers (they need Triton on CUDA)")
+    # the fused passes are Triton kernels: usable exactly where the Triton attention kernel is
+    triton = kernels.get("triton_varlen")
+    ok, why = (triton.present, triton.reason) if triton else (False, "triton_varlen not registered")
+    if want is Switch.OFF:
+        return Decision(False, "requested")
+    if want is Switch.ON:
+        if not ok:
+            raise PlanError(f"row {row.name}: fused layers need Triton: {why}")
+        return Decision(True, "requested")
+    if not row.fused_default:
+        return Decision(False, f"off by default on row {row.name}")
+    if not ok:
+        notes.append(f"fused layers skipped: {why}")
+        return Decision(False, f"Triton unusable here: {why}")
+    return Decision(True, f"default of row {row.name}")

@@ -1,0 +1,94 @@
+"""Graph capture settings: ``--graph-optimization-config`` and the encoder's graph paths."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class EncoderGraphPath:
+    """A family of captured encoder graphs for one kind of batch (e.g. small layout blocks)."""
+    name: str
+    min_tokens: int
+    max_tokens: int
+    max_image_tokens: int      # images with more patches are not routed to this path
+    max_segments: int          # most images (frames) packed into one replay
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        out, b = [], self.min_tokens
+        while b < self.max_tokens:
+            out.append(b)
+            b *= 2
+        return tuple(out + [self.max_tokens])
+
+    def validate(self) -> None:
+        if not 0 < self.min_tokens <= self.max_tokens:
+            raise ValueError(f"graph path {self.name!r}: need 0 < min_tokens <= max_tokens")
+        if self.max_image_tokens > self.max_tokens or self.max_segments < 1:
+            raise ValueError(f"graph path {self.name!r}: max_image_tokens must be <= max_tokens and max_segments >= 1")
+
+
+# Graphs pay where launches dominate (one 8x40 block: 13.2 ms eager -> 3.5 ms replayed on the
+# H200); a whole page padded to a budget lost to eager (69.2 vs 65.1 ms), so by default only small
+# batches are captured. A "pages" path can be configured.
+DEFAULT_GRAPH_PATHS = (
+    EncoderGraphPath("blocks", min_tokens=512, max_tokens=4096, max_image_tokens=2048, max_segments=64),
+)
+
+
+# Decode graphs per batch-size bucket (a batch pads to the smallest bucket that holds it): dense
+# where batches are small, coarser above, up to the default max_num_seqs.
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class GraphOptimizationConfig:
+    """`--graph-optimization-config` JSON. FastDeploy's keys keep FastDeploy's meaning:
+    ``use_cudagraph`` (decoder graphs) and ``cudagraph_capture_sizes`` (the decode batch sizes
+    captured). The vision encoder's graphs have their own keys: ``use_encoder_cudagraph``,
+    ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens,
+    max_segments}) and ``encoder_split_oversize_batches`` (pack batches larger than every budget
+    into several replays instead of one eager pass). None: the row's default."""
+    use_cudagraph: bool | None = None
+    cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    use_encoder_cudagraph: bool | None = None
+    encoder_graph_paths: tuple[EncoderGraphPath, ...] = DEFAULT_GRAPH_PATHS
+    encoder_split_oversize_batches: bool = False
+
+    KEYS = ("use_cudagraph", "cudagraph_capture_sizes", "use_encoder_cudagraph", "encoder_graph_paths",
+            "encoder_split_oversize_batches")
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "GraphOptimizationConfig":
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--graph-optimization-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("--graph-optimization-config must be a JSON object")
+        unknown = set(d) - set(cls.KEYS)
+        if unknown:
+            raise ValueError(f"--graph-optimization-config: unknown keys {sorted(unknown)}; known: {sorted(cls.KEYS)}")
+        paths = DEFAULT_GRAPH_PATHS
+        if "encoder_graph_paths" in d:
+            try:
+                paths = tuple(EncoderGraphPath(**p) for p in d["encoder_graph_paths"])
+            except TypeError as e:
+                raise ValueError(f"--graph-optimization-config encoder_graph_paths: {e}") from None
+            for p in paths:
+                p.validate()
+        sizes = DEFAULT_CAPTURE_SIZES
+        if "cudagraph_capture_sizes" in d:
+            sizes = d["cudagraph_capture_sizes"]
+            if (not isinstance(sizes, list) or not sizes
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes)):
+                raise ValueError("--graph-optimization-config cudagraph_capture_sizes must be a non-empty list of "
+                                 f"positive integers, got {sizes!r}")
+            sizes = tuple(sorted(set(sizes)))
+
+        def switch(key):
+            return None if d.get(key) is None else bool(d[key])
+        return cls(switch("use_cudagraph"), sizes, switch("use_encoder_cudagraph"), paths,
+                   bool(d.get("encoder_split_oversize_batches", False)))

@@ -1,0 +1,119 @@
+"""What the user asked for (PlanRequest) and what the plan decided (RunPlan)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from .graph_config import GraphOptimizationConfig
+from .kinds import (DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, Component, ComponentKind, Decision, GridSource,
+                    PlanError, QkvLayout)
+from .table import DEFAULT_KV_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for (CLI flags); "auto" leaves the choice to the row."""
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    qkv_layout: str = "auto"
+    grid_thw: str = "auto"
+    fused_layers: str = "auto"
+    graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
+    capabilities: str | None = None      # --capabilities FILE.yaml: rows overriding the shipped ones
+    text_attention_backend: str = "auto"
+
+    #: the flag that forces each kind's backend
+    BACKEND_FLAG: ClassVar[dict[ComponentKind, str]] = {
+        ComponentKind.VISION_VARLEN_ATTENTION: "attention_backend",
+        ComponentKind.PAGED_DECODER_ATTENTION: "text_attention_backend",
+    }
+
+    def backend_for(self, kind: ComponentKind) -> str:
+        """The backend the user forced for ``kind`` ("auto": none)."""
+        flag = self.BACKEND_FLAG.get(kind)
+        return getattr(self, flag) if flag else "auto"
+
+    def validate(self) -> None:
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("qkv_layout", self.qkv_layout, QKV_LAYOUTS),
+                                     ("grid_thw", self.grid_thw, GRID_SOURCES),
+                                     ("fused_layers", self.fused_layers, SWITCHES)):
+            if value not in allowed:
+                raise PlanError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    runner: str
+    row: str
+    device: str
+    emulated: bool
+    dtype: Decision
+    attention: Decision          # the vision varlen attention backend
+    attention_fallbacks: tuple[str, ...]
+    qkv_layout: Decision
+    grid_thw: Decision
+    graphs: Decision             # value: tuple of EncoderGraphPath, () when off
+    fused_layers: Decision = Decision(False, "not requested")
+    text_attention: Decision = Decision("sdpa_paged", "default")    # the paged decoder attention backend
+    kv_block_size: Decision = Decision(DEFAULT_KV_BLOCK_SIZE, "default")
+    decode_graphs: Decision = Decision((), "off")     # value: decode batch sizes captured, () when off
+    notes: tuple[str, ...] = ()
+    graph_split_oversize: bool = False
+
+    components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
+
+    #: the decision holding each kernel kind's backend (a new kind adds its field and an entry)
+    KERNEL_FIELD: ClassVar[dict[ComponentKind, str]] = {
+        ComponentKind.VISION_VARLEN_ATTENTION: "attention",
+        ComponentKind.PAGED_DECODER_ATTENTION: "text_attention",
+    }
+
+    @property
+    def strided_qkv(self) -> bool:
+        return self.qkv_layout.value is QkvLayout.STRIDED
+
+    @property
+    def host_metadata(self) -> bool:
+        return self.grid_thw.value is GridSource.HOST
+
+    def kernel(self, kind: ComponentKind) -> Decision:
+        """The backend chosen for ``kind``, with its reason."""
+        return getattr(self, self.KERNEL_FIELD[kind])
+
+    def component_kernels(self) -> tuple[tuple[Component, Decision], ...]:
+        """Each component the plan was resolved for, with the kernel chosen for it."""
+        return tuple((c, self.kernel(c.kind)) for c in self.components)
+
+    def decisions(self) -> dict[str, Decision]:
+        return {"dtype": self.dtype, "attention": self.attention, "qkv_layout": self.qkv_layout,
+                "grid_thw": self.grid_thw, "graphs": self.graphs,
+                "fused_layers": self.fused_layers, "text_attention": self.text_attention,
+                "kv_block_size": self.kv_block_size, "decode_graphs": self.decode_graphs}
+
+    def describe(self) -> str:
+        tag = " [EMULATED]" if self.emulated else ""
+        lines = [f"plan: runner={self.runner} row={self.row} device={self.device}{tag}"]
+        for k, d in self.decisions().items():
+            v = d.value
+            if k == "graphs":
+                v = ", ".join(f"{p.name}{list(p.budgets)}" for p in v) if v else "off"
+            elif k == "decode_graphs":
+                v = f"batch sizes {list(v)}" if v else "off"
+            lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
+        if self.attention_fallbacks:
+            lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
+        for c, d in self.component_kernels():
+            kv = f", {c.num_kv_heads} KV heads" if c.num_kv_heads is not None else ""
+            lines.append(f"  component {c.name:<17} {c.kind}: {c.num_heads} heads of {c.head_dim}{kv} -> {d.value}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["graphs"]["value"] = [asdict(p) for p in self.graphs.value]
+        # the plan per component: what `info --json` shows a script
+        d["component_kernels"] = [{"component": c.name, "kind": c.kind.value, "head_dim": c.head_dim,
+                                   "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                                   "backend": k.value, "reason": k.reason} for c, k in self.component_kernels()]
+        return d

@@ -1,0 +1,175 @@
+"""A capability row as the plan reads it: per kernel kind, the row's backends in preference order.
+
+YAML schema and override rules: fastdeploy_ext/capabilities.py. A row lists its kernels under
+``kernels:``, one list per :class:`ComponentKind`; the keys rows used before that
+(``attention:`` for the vision varlen attention, ``text_attention:`` for the paged decoder
+attention) still read as the same lists (:func:`normalize_kernels`), so vendors' and users'
+files keep working.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Callable, Union
+
+import yaml
+
+from .kinds import ComponentKind
+
+
+@dataclass(frozen=True)
+class AttentionEntry:
+    """One vision varlen attention backend of a row: the row's dtypes for it, and optionally
+    ``reads_strides``: false where strided loads are not verified on this device. A row can only
+    narrow what the backend object says of its kernel: strided reads need both to say so."""
+    backend: str
+    dtypes: tuple[str, ...]
+    reads_strides: bool | None = None      # None: the backend's own fact
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What a vision attention backend object (ops/attention/varlen.py) says of its kernel,
+    with its availability on the probed device: the plan's view of it."""
+    reads_strides: bool
+    graph_safe: bool
+    head_dims: tuple[int, int]
+    present: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class TextAttentionEntry:
+    """A paged decoder attention backend of a row (ops/attention/paged.py)."""
+    backend: str
+    head_dims: tuple[int, int]
+    dtypes: tuple[str, ...]
+    graph_safe: bool = False      # its decode can be captured in a CUDA graph
+
+
+KernelEntry = Union[AttentionEntry, TextAttentionEntry]
+
+
+def _vision_entry(row: str, a: dict) -> AttentionEntry:
+    unknown = set(a) - {"backend", "dtypes", "reads_strides"}
+    if unknown:
+        raise ValueError(f"row {row}: {ComponentKind.VISION_VARLEN_ATTENTION} entry {a.get('backend')!r} has unknown "
+                         f"keys {sorted(unknown)} (a row gives backend, dtypes and optionally reads_strides; head "
+                         "dims and graph safety are the backend object's own facts, ops/attention/varlen.py)")
+    strided = a.get("reads_strides")
+    return AttentionEntry(a["backend"], tuple(a["dtypes"]), None if strided is None else bool(strided))
+
+
+def _paged_entry(row: str, a: dict) -> TextAttentionEntry:
+    unknown = set(a) - {"backend", "head_dims", "dtypes", "graph_safe"}
+    if unknown:
+        raise ValueError(f"row {row}: {ComponentKind.PAGED_DECODER_ATTENTION} entry {a.get('backend')!r} has unknown "
+                         f"keys {sorted(unknown)} (known: backend, head_dims, dtypes, graph_safe)")
+    return TextAttentionEntry(a["backend"], tuple(a["head_dims"]), tuple(a["dtypes"]), bool(a.get("graph_safe", False)))
+
+
+#: how a row's entry of each kind is read (a new kind adds its parser here)
+ENTRY_PARSERS: dict[ComponentKind, Callable[[str, dict], KernelEntry]] = {
+    ComponentKind.VISION_VARLEN_ATTENTION: _vision_entry,
+    ComponentKind.PAGED_DECODER_ATTENTION: _paged_entry,
+}
+
+#: the keys rows used before ``kernels:``, and the kind each one lists
+LEGACY_KEYS = {"attention": ComponentKind.VISION_VARLEN_ATTENTION,
+               "text_attention": ComponentKind.PAGED_DECODER_ATTENTION}
+
+# rows of the old form without a text decoder list (they predate it) get the portable backend
+DEFAULT_TEXT_ATTENTION = (TextAttentionEntry("sdpa_paged", (1, 512), ("float32", "bfloat16", "float16")),)
+_DEFAULT_TEXT_ATTENTION_RAW = [{"backend": "sdpa_paged", "head_dims": [1, 512],
+                                "dtypes": ["float32", "bfloat16", "float16"]}]
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
+def normalize_kernels(name: str, raw: dict, *, old_form_defaults: bool = True) -> dict:
+    """``raw`` (a row's YAML mapping, possibly partial: an override) with the old keys folded into
+    ``kernels:`` (``attention`` -> vision_varlen_attention, ``text_attention`` ->
+    paged_decoder_attention). A kind given both ways, or a kind no parser knows, is an error.
+    ``old_form_defaults``: a complete row of the old form without ``text_attention`` gets the
+    portable paged backend, as such rows always did (an override's partial row gets nothing)."""
+    out = dict(raw)
+    old_form = "kernels" not in out and any(k in out for k in LEGACY_KEYS)
+    kernels = out.pop("kernels", None) or {}
+    if not isinstance(kernels, dict):
+        raise ValueError(f"row {name}: kernels must map a kernel kind to its list of backends, "
+                         f"got {type(kernels).__name__}")
+    kernels = dict(kernels)
+    for key, kind in LEGACY_KEYS.items():
+        if key in out:
+            if kind.value in kernels:
+                raise ValueError(f"row {name}: gives both {key} and kernels.{kind}: they are the same list")
+            kernels[kind.value] = out.pop(key)
+    known = {k.value for k in ENTRY_PARSERS}
+    for kind in kernels:
+        if kind not in known:
+            raise ValueError(f"row {name}: kernels: unknown kernel kind {kind!r}; known: {', '.join(sorted(known))}")
+        if not isinstance(kernels[kind], list):
+            raise ValueError(f"row {name}: kernels.{kind} must be a list of backends in preference order")
+    if old_form and old_form_defaults and ComponentKind.PAGED_DECODER_ATTENTION.value not in kernels:
+        kernels[ComponentKind.PAGED_DECODER_ATTENTION.value] = _DEFAULT_TEXT_ATTENTION_RAW
+    if kernels or "kernels" in raw or old_form:
+        out["kernels"] = kernels
+    return out
+
+
+@dataclass(frozen=True)
+class CapabilityRow:
+    name: str
+    runner: str
+    match: dict
+    dtypes: tuple[str, ...]
+    default_dtype: str
+    #: per kernel kind, the row's backends in preference order (kinds in ComponentKind order)
+    kernels: tuple[tuple[ComponentKind, tuple[KernelEntry, ...]], ...]
+    host_grid_thw: bool
+    graph_kinds: tuple[str, ...]
+    graphs_default: bool
+    fused_supported: bool = False
+    fused_default: bool = False
+    source: str = field(default="", compare=False)   # the file it came from (fastdeploy_ext/capabilities.py)
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+
+    def entries(self, kind: ComponentKind) -> tuple[KernelEntry, ...]:
+        """The row's backends for ``kind`` in preference order (empty: the row lists none)."""
+        return next((e for k, e in self.kernels if k is kind), ())
+
+    @property
+    def attention(self) -> tuple[AttentionEntry, ...]:
+        """The vision varlen attention list (the name rows used for it before ``kernels:``)."""
+        return self.entries(ComponentKind.VISION_VARLEN_ATTENTION)
+
+    @property
+    def text_attention(self) -> tuple[TextAttentionEntry, ...]:
+        """The paged decoder attention list (the name rows used for it before ``kernels:``)."""
+        return self.entries(ComponentKind.PAGED_DECODER_ATTENTION)
+
+    def with_entries(self, kind: ComponentKind, entries: tuple[KernelEntry, ...]) -> "CapabilityRow":
+        """This row with ``kind``'s list replaced."""
+        lists = dict(self.kernels) | {kind: tuple(entries)}
+        return replace(self, kernels=tuple((k, lists[k]) for k in ComponentKind if k in lists))
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> "CapabilityRow":
+        d = normalize_kernels(name, d)
+        kernels = d.get("kernels")
+        if not kernels:
+            raise KeyError("kernels")
+        lists = {ComponentKind(k): tuple(ENTRY_PARSERS[ComponentKind(k)](name, a) for a in v) for k, v in kernels.items()}
+        return cls(name, d["runner"], dict(d.get("match") or {}), tuple(d["dtypes"]), d["default_dtype"],
+                   tuple((k, lists[k]) for k in ComponentKind if k in lists),
+                   bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
+                   bool(d.get("fused_layers", {}).get("supported", False)),
+                   bool(d.get("fused_layers", {}).get("default", False)),
+                   kv_block_size=int(d.get("kv_block_size", DEFAULT_KV_BLOCK_SIZE)))
+
+
+@lru_cache(maxsize=None)
+def load_table(text: str) -> dict[str, CapabilityRow]:
+    """Rows parsed from YAML ``text`` (schema: fastdeploy_ext/capabilities.py, which also
+    assembles the table the runners use from every backend's shipped rows)."""
+    data = yaml.safe_load(text)
+    return {name: CapabilityRow.from_dict(name, d) for name, d in data["rows"].items()}
