@@ -68,7 +68,7 @@ FD_EMULATE = EnvVar("FD_EMULATE", "",
 FD_CPUINFO = EnvVar("FD_CPUINFO", "/proc/cpuinfo",
                     "the cpuinfo file the CPU probe reads (point it at a recorded one to simulate another CPU)")
 
-# Measured on the H200 (docs/PERFORMANCE.md, third session): FA3 wins on a page (10764
+# Measured on the H200 (docs/PERFORMANCE.md, the FA3 section): FA3 wins on a page (10764
 # tokens) and on 16 blocks (longest 1024), loses on 64 small blocks (longest 320).
 FD_FA3_MIN_SEQLEN = EnvVar("FD_FA3_MIN_SEQLEN", "512",
                            "a positive token count: the fa3_varlen backend runs FlashAttention-3 on a batch whose "

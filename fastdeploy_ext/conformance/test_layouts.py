@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ..capabilities import capability_table
-from ..plan import PlanError
+from ..plan import PlanError, QkvLayout
 from .family_fixture import FamilyFact
 from .qkv_trace import check_views_of_projection, trace_encoder
 
@@ -31,7 +31,7 @@ def test_strided_equals_dense_bitwise(tiny_models, batch, make_runner):
         # the row forbids strided for its kernel: forcing it must be a clear error naming the row
         with pytest.raises(PlanError, match=dense.plan.row):
             make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=backend)
-        assert dense.plan.qkv_layout.value == "dense"
+        assert dense.plan.qkv_layout.value is QkvLayout.DENSE
         return
     strided = make_runner(tiny_models["torch"], qkv_layout="strided", attention_backend=backend)
     assert strided.plan.strided_qkv and not dense.plan.strided_qkv
