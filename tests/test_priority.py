@@ -185,7 +185,8 @@ def test_async_engine_admits_by_priority():
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 
     async def main():
-        cfg = EngineConfig(max_model_len=4096, num_kv_blocks=1100, preprocess_workers=2, max_num_seqs=1)
+        # one preprocessing worker: arrival (the FIFO order among equal priorities) = creation order
+        cfg = EngineConfig(max_model_len=4096, num_kv_blocks=1100, preprocess_workers=1, max_num_seqs=1)
         proc = InputProcessor(FakePromptBuilder(), ImageProcessor(TINY_PP), InputLimits(1, cfg.max_encoder_patches, 4096))
         eng = AsyncLLMEngine(cfg, runner=SlowRunner(), input_processor=proc)
         await eng.start()

@@ -43,6 +43,7 @@ import torch
 
 from ..device_api import DeviceAPI, device_api_for
 from ..engine.config import EngineConfig
+from ..engine.errors import InvalidRequest
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import RepetitionGuard, SamplingParams
 
@@ -312,9 +313,8 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
     with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu, \
             (prof if prof is not None else _nothing()):
         t0, t0_epoch = time.perf_counter(), time.time()
-        for rid, r in zip(ids, requests):
-            engine.submit(rid, r.engine_prompt(), bench_params(r.tokens), stream=len(requests) == 1,
-                          priority=r.priority)
+        futures = [engine.submit(rid, r.engine_prompt(), bench_params(r.tokens), stream=len(requests) == 1,
+                                 priority=r.priority) for rid, r in zip(ids, requests)]
         while engine.has_unfinished():
             ts = time.perf_counter()
             outs = engine.step()
@@ -336,6 +336,9 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
                 time.sleep(0.0005)          # still preprocessing: nothing to run yet
         api.synchronize()
         wall = time.perf_counter() - t0
+    for i, f in enumerate(futures):       # refused before queueing (e.g. pixels over the engine's limits)
+        if f.exception() is not None:
+            raise InvalidRequest(f"bench request {i} ({requests[i].kind or 'image'}): {f.exception()}")
     n_out = sum(len(o.token_ids) for o in done.values())
     firsts = [o.metrics.first_token for o in done.values() if o.metrics.first_token is not None]
     res = {"wall_s": wall, "ttft_s": min(firsts) - t0_epoch if firsts else None, "requests": len(requests),
