@@ -129,6 +129,24 @@ def test_engine_admits_lower_first_fifo_among_equals_same_tokens():
     assert [done[str(i)].token_ids for i in range(8)] == [o.token_ids for o in run_all(make_engine(), reqs)]
 
 
+@pytest.mark.parametrize("max_prefill", [True, False])
+def test_preemption_with_mixed_priorities_keeps_tokens_and_frees_the_pool(max_prefill):
+    # the tiny pool of test_tiny_pool_preempts_and_keeps_tokens: victims are now chosen by key,
+    # so they can be older than the sequence that needs the blocks
+    runner = FakeRunner()
+    eng = make_engine(runner, num_kv_blocks=26, max_model_len=96, enable_max_prefill=max_prefill,
+                      max_num_batched_tokens=64)
+    reqs = prompts()
+    for i, p in enumerate(reqs):
+        eng.add_request(str(i), p, GREEDY, priority=PRIORITIES[::-1][i])
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.scheduler.num_preemptions > 0
+    assert [done[str(i)].token_ids for i in range(8)] == [run_all(make_engine(), [p])[0].token_ids for p in reqs]
+    assert eng.block_manager.num_used == 0 and len(eng.scheduler.waiting) == 0
+
+
 def test_engine_refuses_a_bad_priority_before_queueing():
     eng = make_engine()
     with pytest.raises(InvalidRequest, match="priority must be an integer"):
