@@ -84,6 +84,65 @@ def test_bench_generate_tiny_warms_up_only_requested_shapes(tmp_path):
     assert rep["workloads"]["lines256"]["ours"]["requests"] == 2 and rep["kv_blocks_used_at_end"] == 0
 
 
+def test_bench_generate_blocks_and_lines512_tiny(tmp_path):
+    """The document-shaped workloads on the CPU at test size, and honest about it: 1 page of the
+    first 5 crops (one of each kind) at 5% of the output lengths, 3 line crops x 2 tokens; the
+    host device API has no profiler activity, so --profile says n/a rather than a figure."""
+    out = tmp_path / "gen.json"
+    r = cli("bench", "generate", "--model", TINY_VL, *CPU, "--kv-cache-memory", "16MiB",
+            "--max-model-len", "4096",          # the released max_pixels needs this much context
+            "--workloads", "blocks,lines512", "--pages", "1", "--crops-per-page", "5", "--block-token-scale", "0.05",
+            "--lines512", "3", "--lines512-tokens", "2", "--profile", "--no-reference", "--json-out", out)
+    no_nan(r.stdout)
+    assert "warm-up with 6 image(s) (blocks, line)" in r.stderr
+    rep = json.loads(out.read_text())
+    b, ln = rep["workloads"]["blocks"]["ours"], rep["workloads"]["lines512"]["ours"]
+    assert b["requests"] == 5 and b["pages"] == 1 and b["crops_per_page"] == 5
+    assert {k: (v["requests"], v["tokens"], v["priority"]) for k, v in b["kinds"].items()} == {
+        "title": (1, 1, 0), "paragraph": (1, 6, -1), "table": (1, 30, -2), "formula": (1, 3, 0), "caption": (1, 2, 0)}
+    assert b["output_tokens"] == 1 + 6 + 30 + 3 + 2 and ln["requests"] == 3 and ln["output_tokens"] == 6
+    assert b["pixels"] == "released min_pixels 147384, max_pixels 2822400"
+    for o in (b, ln):
+        steps = o["steps"]
+        assert steps["prefill"]["count"] == o["stages"]["prefill_steps"] >= 1
+        assert steps["decode"]["count"] == o["stages"]["decode_steps"] >= 1
+        assert steps["prefill"]["total_s"] > 0 and steps["decode"]["median_s"] > 0
+        assert o["device_active_fraction"] is None and o["device_active"].startswith("n/a: the host device API")
+        assert o["kv_blocks_used_after"] == 0
+    assert rep["workloads"]["blocks"]["reference_skipped"].startswith("not run for blocks")
+    assert "blocks: 1 pages x 5 crops = 5 req" in r.stdout and "priority: table -2, paragraph -1" in r.stdout
+    assert re.search(r"steps: prefill \d+ steps, [\d.]+ s, median [\d.]+ ms \| decode \d+ steps", r.stdout)
+    assert rep["kv_blocks_used_at_end"] == 0
+
+
+def test_block_pages_have_the_parsing_mix():
+    from PIL import Image
+    import io
+    from fastdeploy_ext.bench.generate import block_requests
+    reqs = block_requests(2)
+    assert len(reqs) == 32
+    page = reqs[:16]
+    count = {k: sum(r.kind == k for r in page) for k in ("title", "paragraph", "table", "formula", "caption")}
+    assert count == {"title": 2, "paragraph": 9, "table": 1, "formula": 2, "caption": 2}
+    table = next(r for r in page if r.kind == "table")
+    assert (table.prompt, table.tokens, table.priority) == ("Table Recognition:", 600, -2)
+    assert Image.open(io.BytesIO(table.image)).size == (1000, 600)
+    assert {r.prompt for r in page if r.kind == "formula"} == {"Formula Recognition:"}
+    assert sum(r.tokens for r in page) == 2 * 16 + 9 * 120 + 600 + 2 * 60 + 2 * 40
+    assert len({r.image for r in reqs}) == 32                 # every crop a different image
+
+
+def test_device_active_is_the_union_of_device_intervals():
+    from types import SimpleNamespace as NS
+    from torch.autograd import DeviceType
+    from fastdeploy_ext.bench.generate import device_active_s, interval_union_s
+    assert interval_union_s([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    ev = lambda dev, a, b: NS(device_type=dev, time_range=NS(start=a, end=b))  # noqa: E731
+    prof = NS(events=lambda: [ev(DeviceType.CUDA, 0, 1e6), ev(DeviceType.CUDA, 5e5, 2e6),
+                              ev(DeviceType.CPU, 0, 9e6), ev(DeviceType.CUDA, 3e6, 3.5e6)])
+    assert device_active_s(prof) == 2.5                       # host events are not device time
+
+
 def test_warmup_images_follow_the_workloads():
     from PIL import Image
     import io

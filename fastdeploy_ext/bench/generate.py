@@ -8,7 +8,19 @@ Workloads (greedy, ignore_eos, "OCR:"):
   first token on the host (preprocess + vision + prefill), then decode tokens/s at batch 1;
 - pages64: N different 1080p pages x exactly T new tokens: pages/s and output tokens/s (the
   reference runs a subset at batch --ref-batch; compared per page);
-- lines256: N text-line crops x 64 tokens.
+- lines256: N text-line crops x 64 tokens;
+- blocks: --pages N document pages as a layout-parsing pipeline feeds them, 16 crops per page
+  (2 titles ~900x60 px / 16 tokens, 9 paragraphs ~1000x180 / 120, 1 table ~1000x600 / 600 with
+  "Table Recognition:", 2 formulas ~500x80 / 60 with "Formula Recognition:", 2 captions ~800x60 /
+  40), at the released checkpoint's min/max pixels (sent as the requests' mm_processor_kwargs),
+  with priorities: the table -2, paragraphs -1, the rest 0, so the long decodes start first;
+  pages/s and req/s; no transformers reference (mixed prompts and output lengths per request,
+  where its generate takes one length per batch);
+- lines512: 512 of the lines workload's crops x 32 tokens (the reference as for lines256).
+All requests of a workload are submitted at once. Each workload also reports its steps by kind
+(prefill / decode: count, total and median wall time) and, with --profile, the device-active
+fraction of a second, profiled run (the union of the device's kernel intervals from
+torch.profiler over that run's wall time; n/a where the device API has no profiler activity).
 Also reported: GPU busy % (the backend's utilization reader sampled through each of our runs), peak device
 memory, where our wall time went (prefill steps with their vision passes, decode steps, the rest;
 preprocessing CPU time in the pool), and whether the reference produced the same tokens (fp32 only; bf16 batching changes
@@ -31,12 +43,14 @@ import torch
 
 from ..device_api import DeviceAPI, device_api_for
 from ..engine.config import EngineConfig
+from ..engine.errors import InvalidRequest
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import RepetitionGuard, SamplingParams
 
 log = logging.getLogger(__name__)
 
-WORKLOADS = ("page1", "pages64", "lines256")
+WORKLOADS = ("page1", "pages64", "lines256", "blocks", "lines512")
+NEW_WORKLOADS = ("blocks", "lines512")
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,11 @@ class GenerateBenchOptions:
     page1_tokens: int = 256
     lines: int = 256
     line_tokens: int = 64
+    crops_per_page: int = 16            # blocks: the first K crops of each page's layout (tests use fewer)
+    block_token_scale: float = 1.0      # blocks: output lengths x this (tests shrink them), at least 1
+    lines512: int = 512
+    lines512_tokens: int = 32
+    profile: bool = False
     ref_batch: int = 32
     reference: bool = True
     json_out: str | None = None
@@ -57,11 +76,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench generate")
     g.add_argument("--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)} "
                    "(default: all; on CPU page1,lines256 with --lines 16)")
-    g.add_argument("--pages", type=int, default=64)
+    g.add_argument("--pages", type=int, default=64, help="pages of pages64, and of blocks (16 crops each)")
     g.add_argument("--page-tokens", type=int, default=512)
     g.add_argument("--page1-tokens", type=int, default=256, help="tokens of the batch-1 decode measurement")
     g.add_argument("--lines", type=int, default=None, help="text-line crops (default 256; 16 on CPU)")
     g.add_argument("--line-tokens", type=int, default=64)
+    g.add_argument("--crops-per-page", type=int, default=16,
+                   help="blocks: the first K of each page's 16 crops (K=5 is one of each kind; for quick runs)")
+    g.add_argument("--block-token-scale", type=float, default=1.0,
+                   help="blocks: output lengths (16/120/600/60/40) times this, at least 1 (for quick runs)")
+    g.add_argument("--lines512", type=int, default=512, help="requests of lines512")
+    g.add_argument("--lines512-tokens", type=int, default=32)
+    g.add_argument("--profile", action="store_true",
+                   help="blocks / lines512: a second, profiled run for the device-active fraction")
     g.add_argument("--ref-batch", type=int, default=32, help="the reference's batch (a subset of the pages/lines)")
     g.add_argument("--no-reference", action="store_true", help="skip transformers")
     g.add_argument("--json-out", default=None)
@@ -72,8 +99,14 @@ def options_from_args(ns, on_cpu: bool) -> GenerateBenchOptions:
     bad = set(wl) - set(WORKLOADS)
     if bad:
         raise ValueError(f"unknown workload(s) {sorted(bad)}; choose from {', '.join(WORKLOADS)}")
+    if not 1 <= ns.crops_per_page <= len(PAGE_LAYOUT):
+        raise ValueError(f"--crops-per-page must be in [1, {len(PAGE_LAYOUT)}], got {ns.crops_per_page}")
+    if not ns.block_token_scale > 0:
+        raise ValueError(f"--block-token-scale must be > 0, got {ns.block_token_scale}")
     return GenerateBenchOptions(workloads=wl, pages=ns.pages, page_tokens=ns.page_tokens, page1_tokens=ns.page1_tokens,
                                 lines=ns.lines or (16 if on_cpu else 256), line_tokens=ns.line_tokens,
+                                crops_per_page=ns.crops_per_page, block_token_scale=ns.block_token_scale,
+                                lines512=ns.lines512, lines512_tokens=ns.lines512_tokens, profile=ns.profile,
                                 ref_batch=ns.ref_batch, reference=not ns.no_reference, json_out=ns.json_out)
 
 
@@ -104,19 +137,110 @@ def line_pngs(n: int, seed0: int = 10_000) -> list[bytes]:
     return [synthetic_png(seed0 + i, 640 + 16 * (i % 8), 48, 1) for i in range(n)]
 
 
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of layout block: its crop size, output length, prompt and priority."""
+    name: str
+    width: int
+    height: int
+    text_rows: int
+    tokens: int
+    prompt: str = "OCR:"
+    priority: int = 0            # lower decodes first: the long outputs start early
+
+
+BLOCK_KINDS = {k.name: k for k in (
+    BlockKind("title", 900, 60, 1, 16),
+    BlockKind("paragraph", 1000, 180, 5, 120, priority=-1),
+    BlockKind("table", 1000, 600, 20, 600, "Table Recognition:", priority=-2),
+    BlockKind("formula", 500, 80, 2, 60, "Formula Recognition:"),
+    BlockKind("caption", 800, 60, 1, 40),
+)}
+#: one page's 16 crops in submission order: 2 titles, 9 paragraphs, 1 table, 2 formulas, 2
+#: captions, interleaved so that the first five are one of each kind (--crops-per-page 5)
+PAGE_LAYOUT = ("title", "paragraph", "table", "formula", "caption", "paragraph", "paragraph", "title",
+               "paragraph", "formula", "paragraph", "caption", "paragraph", "paragraph", "paragraph", "paragraph")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    image: bytes
+    prompt: str
+    tokens: int
+    priority: int = 0
+    kind: str = ""
+    mm_processor_kwargs: dict | None = None
+
+    def engine_prompt(self) -> dict:
+        p = {"prompt": self.prompt, "images": [self.image]}
+        if self.mm_processor_kwargs:
+            p["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        return p
+
+
+def block_requests(pages: int, crops_per_page: int = 16, token_scale: float = 1.0, mm_kwargs: dict | None = None,
+                   seed0: int = 20_000) -> list[BenchRequest]:
+    """``pages`` pages of the first ``crops_per_page`` crops of PAGE_LAYOUT, each crop a
+    different synthetic image of its kind's size."""
+    out = []
+    for page in range(pages):
+        for j, name in enumerate(PAGE_LAYOUT[:crops_per_page]):
+            k = BLOCK_KINDS[name]
+            png = synthetic_png(seed0 + page * 100 + j, k.width, k.height, k.text_rows)
+            out.append(BenchRequest(png, k.prompt, max(1, round(k.tokens * token_scale)), k.priority, k.name, mm_kwargs))
+    return out
+
+
+def released_pixel_kwargs(engine: LLMEngine) -> tuple[dict | None, str]:
+    """The released checkpoint's min/max pixels as mm_processor_kwargs (the family's
+    ``released_image_processor`` hook), and where they came from."""
+    family = getattr(engine.runner, "family", None)
+    try:
+        cfg = family.released_image_processor().cfg
+    except (AttributeError, NotImplementedError) as e:
+        return None, f"the engine's own image processor (no released settings: {e})"
+    return ({"min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels},
+            f"released min_pixels {cfg.min_pixels}, max_pixels {cfg.max_pixels}")
+
+
 def _warm_kinds(workloads) -> list[str]:
-    return list(dict.fromkeys("lines256" if wl == "lines256" else "page" for wl in workloads))
+    kind = {"lines256": "line", "lines512": "line", "blocks": "blocks"}
+    return list(dict.fromkeys(kind.get(wl, "page") for wl in workloads))
 
 
 def warmup_images(workloads) -> list[list[bytes]]:
-    """One warm-up image per image shape among ``workloads``: a text line for lines256, a 1080p
-    page for page1 / pages64."""
-    return [line_pngs(1, 99_999) if k == "lines256" else page_pngs(1, 77_777) for k in _warm_kinds(workloads)]
+    """One warm-up image per image shape among ``workloads``: a text line for lines256 /
+    lines512, a 1080p page for page1 / pages64, one crop of each block kind for blocks."""
+    def images(k):
+        if k == "line":
+            return line_pngs(1, 99_999)
+        if k == "blocks":
+            return [r.image for r in block_requests(1, len(BLOCK_KINDS), seed0=88_888)]
+        return page_pngs(1, 77_777)
+    return [images(k) for k in _warm_kinds(workloads)]
 
 
 def bench_params(tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                           repetition_guard=RepetitionGuard(enabled=False))
+
+
+def interval_union_s(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (overlapping kernels on several
+    streams count once)."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def step_summary(times: list[float]) -> dict:
+    return {"count": len(times), "total_s": sum(times), "median_s": statistics.median(times) if times else None}
 
 
 # ------------------------------------------------------------------ measuring
@@ -163,26 +287,34 @@ def _peak(api: DeviceAPI) -> int | None:
 
 
 def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -> dict:
+    """``images`` with one prompt and output length (see run_requests)."""
+    return run_requests(engine, [BenchRequest(png, prompt, tokens) for png in images])
+
+
+def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool = False) -> dict:
     """All requests submitted at once (preprocessing in the pool); wall time to the last token,
-    first-token time of the earliest request, token ids per request, and where the wall time
-    went (see `_stages`)."""
+    first-token time of the earliest request, token ids per request, the steps by kind, and where
+    the wall time went (see `_stages`). ``profile``: the run under torch.profiler with the device
+    API's activity, for the device-active fraction."""
     api = device_api_for(getattr(engine.runner, "device", "cpu"))
     api.synchronize()
     _reset_peak(api)
-    params = bench_params(tokens)
-    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(images))]
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
     done = {}
     before = engine.stats()
     steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
+    step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    prof = _profiler(api) if profile else None
     from tqdm.auto import tqdm
     # finished requests on stderr (a multi-minute CPU run is not silent); updated only when a
     # request finishes, at most once a second: nothing measurable inside the timed loop
-    bar = tqdm(total=len(images), desc="bench generate", unit="req", mininterval=1.0, disable=len(images) < 2)
-    with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu:
+    bar = tqdm(total=len(requests), desc="bench generate", unit="req", mininterval=1.0, disable=len(requests) < 2)
+    with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu, \
+            (prof if prof is not None else _nothing()):
         t0, t0_epoch = time.perf_counter(), time.time()
-        for rid, png in zip(ids, images):
-            engine.submit(rid, {"prompt": prompt, "images": [png]}, params, stream=len(images) == 1)
+        futures = [engine.submit(rid, r.engine_prompt(), bench_params(r.tokens), stream=len(requests) == 1,
+                                 priority=r.priority) for rid, r in zip(ids, requests)]
         while engine.has_unfinished():
             ts = time.perf_counter()
             outs = engine.step()
@@ -192,7 +324,9 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
             st = engine.stats()
             now = (st.num_prefill_steps, st.num_decode_steps)
             if now != steps_done:
-                step_s["prefill" if now[0] > steps_done[0] else "decode"] += dt
+                kind = "prefill" if now[0] > steps_done[0] else "decode"
+                step_s[kind] += dt
+                step_times[kind].append(dt)
                 steps_done = now
             for o in outs:
                 if o.finished:
@@ -200,15 +334,49 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
                     bar.update(1)
             if not outs and not engine.has_unfinished_in_engine():
                 time.sleep(0.0005)          # still preprocessing: nothing to run yet
+        api.synchronize()
         wall = time.perf_counter() - t0
+    for i, f in enumerate(futures):       # refused before queueing (e.g. pixels over the engine's limits)
+        if f.exception() is not None:
+            raise InvalidRequest(f"bench request {i} ({requests[i].kind or 'image'}): {f.exception()}")
     n_out = sum(len(o.token_ids) for o in done.values())
     firsts = [o.metrics.first_token for o in done.values() if o.metrics.first_token is not None]
-    return {"wall_s": wall, "ttft_s": min(firsts) - t0_epoch if firsts else None, "requests": len(images),
-            "output_tokens": n_out, "requests_per_s": len(images) / wall, "output_tokens_per_s": n_out / wall,
-            "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(api),
-            "stages": _stages(before, engine.stats(), step_s, wall),
-            "token_ids": [done[r].token_ids for r in ids],
-            "kv_blocks_used_after": engine.block_manager.num_used}
+    res = {"wall_s": wall, "ttft_s": min(firsts) - t0_epoch if firsts else None, "requests": len(requests),
+           "output_tokens": n_out, "requests_per_s": len(requests) / wall, "output_tokens_per_s": n_out / wall,
+           "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(api),
+           "steps": {k: step_summary(v) for k, v in step_times.items()},
+           "stages": _stages(before, engine.stats(), step_s, wall),
+           "token_ids": [done[r].token_ids for r in ids],
+           "first_scheduled_s": [done[r].metrics.first_scheduled - t0_epoch for r in ids],
+           "kv_blocks_used_after": engine.block_manager.num_used}
+    if prof is not None:
+        res["device_active_s"] = device_active_s(prof)
+        res["device_active_fraction"] = res["device_active_s"] / wall
+    return res
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _profiler(api: DeviceAPI):
+    """torch.profiler with the device's activity (None on the host: nothing to profile)."""
+    if api.profiler_activity is None:
+        return None
+    from torch.profiler import profile
+    return profile(activities=[api.profiler_activity])
+
+
+def device_active_s(prof) -> float:
+    """Seconds of the union of the device-side events (kernels, copies) the profiler recorded."""
+    from torch.autograd import DeviceType
+    spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
+             if e.device_type != DeviceType.CPU and e.time_range.end > e.time_range.start]
+    return interval_union_s(spans)
 
 
 def _stages(before, after, step_s: dict, wall: float) -> dict:
@@ -228,6 +396,14 @@ def stages_line(st: dict) -> str:
     return (f"    stages: prefill {st['prefill_s']:.2f} s / {st['prefill_steps']} steps "
             f"({st['vision_passes']} vision passes) | decode {st['decode_s']:.2f} s / {st['decode_steps']} steps "
             f"| other {st['other_s']:.2f} s | preprocessing {st['preprocess_cpu_s']:.2f} s of worker CPU (overlapped)")
+
+
+def steps_line(steps: dict) -> str:
+    def one(kind):
+        st = steps[kind]
+        med = f", median {st['median_s'] * 1000:.2f} ms" if st["median_s"] is not None else ""
+        return f"{kind} {st['count']} steps, {st['total_s']:.2f} s{med}"
+    return f"    steps: {one('prefill')} | {one('decode')}"
 
 
 # ------------------------------------------------------------------ the reference
@@ -303,13 +479,18 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
     # ones), so no workload's first request pays Triton compiles or allocator growth; the
     # reference likewise. Only those shapes: a 1080p page on the CPU takes minutes.
     warm = warmup_images(opts.workloads)
-    log.info("bench generate: warm-up with %d image(s) (%s)", len(warm),
-             ", ".join("line" if wl == "lines256" else "page" for wl in _warm_kinds(opts.workloads)))
-    for imgs in warm:
-        run_ours(engine, imgs, opts.prompt, 4)
+    kinds = _warm_kinds(opts.workloads)
+    pixel_kwargs, pixels_source = released_pixel_kwargs(engine) if "blocks" in opts.workloads else (None, "")
+    log.info("bench generate: warm-up with %d image(s) (%s)", sum(map(len, warm)), ", ".join(kinds))
+    for kind, imgs in zip(kinds, warm):
+        if kind == "blocks":       # at the pixel bounds the timed blocks use
+            run_requests(engine, [BenchRequest(png, opts.prompt, 4, mm_processor_kwargs=pixel_kwargs) for png in imgs])
+        else:
+            run_ours(engine, imgs, opts.prompt, 4)
     if ref:
-        for imgs in warm:
-            ref.generate(imgs, opts.prompt, 4)
+        for kind, imgs in zip(kinds, warm):
+            if kind != "blocks":       # the reference does not run blocks (module docstring)
+                ref.generate(imgs, opts.prompt, 4)
     for wl in opts.workloads:
         if wl == "page1":
             pages = page_pngs(1, 5_000)
@@ -326,11 +507,18 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
                 res["same_tokens"] = ref_ids[0] == full["token_ids"][0] if ref.same_weights else None
                 res["ttft_speedup"] = t1 / first["wall_s"]
                 res["decode_speedup"] = res["ours"]["decode_tokens_per_s"] / res["reference"]["decode_tokens_per_s"]
+        elif wl == "blocks":
+            res = _blocks(engine, opts, pixel_kwargs, pixels_source)
         else:
-            imgs = page_pngs(opts.pages) if wl == "pages64" else line_pngs(opts.lines)
-            tokens = opts.page_tokens if wl == "pages64" else opts.line_tokens
-            ours = run_ours(engine, imgs, opts.prompt, tokens)
+            imgs = {"pages64": lambda: page_pngs(opts.pages), "lines256": lambda: line_pngs(opts.lines),
+                    "lines512": lambda: line_pngs(opts.lines512)}[wl]()
+            tokens = {"pages64": opts.page_tokens, "lines256": opts.line_tokens, "lines512": opts.lines512_tokens}[wl]
+            reqs = [BenchRequest(png, opts.prompt, tokens) for png in imgs]
+            ours = run_requests(engine, reqs)
             ids = ours.pop("token_ids")
+            ours.pop("first_scheduled_s")
+            if wl in NEW_WORKLOADS:
+                _profiled(engine, reqs, ours, opts)
             res = {"ours": ours}
             if ref:
                 sub = imgs[:opts.ref_batch]
@@ -345,6 +533,46 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
     report["kv_blocks_used_at_end"] = engine.block_manager.num_used
     engine.shutdown()
     return report
+
+
+def _profiled(engine: LLMEngine, reqs: list[BenchRequest], ours: dict, opts: GenerateBenchOptions) -> None:
+    """--profile: the same requests again under torch.profiler; its device-active fraction (the
+    profiled run's own wall, which the profiler slows: the headline figures are the unprofiled run's)."""
+    if not opts.profile:
+        ours.update(device_active_fraction=None, device_active="not measured (run with --profile)")
+        return
+    api = device_api_for(getattr(engine.runner, "device", "cpu"))
+    if api.profiler_activity is None:
+        ours.update(device_active_fraction=None,
+                    device_active=f"n/a: the {api.name} device API has no profiler activity (no device kernels)")
+        return
+    run = run_requests(engine, reqs, profile=True)
+    ours.update(device_active_fraction=run["device_active_fraction"], device_active_s=run["device_active_s"],
+                profiled_wall_s=run["wall_s"],
+                device_active=f"{run['device_active_fraction'] * 100:.0f}% of a profiled re-run's "
+                              f"{run['wall_s']:.2f} s wall (union of device kernel intervals, torch.profiler)")
+
+
+def _blocks(engine: LLMEngine, opts: GenerateBenchOptions, pixel_kwargs: dict | None, pixels_source: str) -> dict:
+    reqs = block_requests(opts.pages, opts.crops_per_page, opts.block_token_scale, pixel_kwargs)
+    ours = run_requests(engine, reqs)
+    ours.pop("token_ids")
+    first = ours.pop("first_scheduled_s")
+    kinds = {}
+    for name in dict.fromkeys(r.kind for r in reqs):
+        idx = [i for i, r in enumerate(reqs) if r.kind == name]
+        k = BLOCK_KINDS[name]
+        kinds[name] = {"requests": len(idx), "tokens": reqs[idx[0]].tokens, "priority": k.priority, "prompt": k.prompt,
+                       "size": f"{k.width}x{k.height}",
+                       "median_first_scheduled_s": statistics.median(first[i] for i in idx)}
+    ours.update(pages=opts.pages, crops_per_page=opts.crops_per_page, pages_per_s=opts.pages / ours["wall_s"],
+                kinds=kinds, pixels=pixels_source, token_scale=opts.block_token_scale,
+                priority="table -2, paragraph -1, title/formula/caption 0: lower is scheduled first, so the "
+                         "long decodes start early")
+    _profiled(engine, reqs, ours, opts)
+    return {"ours": ours, "reference": None,
+            "reference_skipped": "not run for blocks: mixed prompts and output lengths per request (transformers' "
+                                 "generate takes one length per batch)"}
 
 
 def _same(v) -> str:
@@ -366,6 +594,10 @@ def print_report(report: dict) -> None:
                 line += (f" | transformers TTFT {ref['ttft_s'] * 1000:.1f} ms, decode {ref['decode_tokens_per_s']:.1f} "
                          f"tok/s | x{r['ttft_speedup']:.2f} TTFT, x{r['decode_speedup']:.2f} decode, "
                          f"same tokens: {_same(r['same_tokens'])}")
+        elif wl == "blocks":
+            line = (f"  blocks: {o['pages']} pages x {o['crops_per_page']} crops = {o['requests']} req, "
+                    f"{o['pages_per_s']:.2f} pages/s ({o['requests_per_s']:.1f} req/s), "
+                    f"{o['output_tokens_per_s']:.0f} out tok/s, wall {o['wall_s']:.2f} s")
         else:
             line = (f"  {wl}: {o['requests']} req, {o['requests_per_s']:.2f} req/s, "
                     f"{o['output_tokens_per_s']:.0f} out tok/s, wall {o['wall_s']:.2f} s")
@@ -374,8 +606,19 @@ def print_report(report: dict) -> None:
                          f"{ref['requests_per_s']:.2f} req/s | x{r['speedup_per_request']:.2f} per request, "
                          f"same tokens: {_same(r['same_tokens_fraction'])}")
         print(line + f" | GPU busy {busy}, peak {mem}")
+        if wl == "blocks":
+            print(f"    priority: {o['priority']}; pixels: {o['pixels']}"
+                  + (f"; output lengths x{o['token_scale']:g}" if o["token_scale"] != 1 else ""))
+            print("    kinds: " + ", ".join(f"{n} {k['requests']} x {k['tokens']} tok (priority {k['priority']}, "
+                                             f"first scheduled at {k['median_first_scheduled_s']:.2f} s median)"
+                                             for n, k in o["kinds"].items()))
+            print(f"    reference: {r['reference_skipped']}")
+        if o.get("steps"):
+            print(steps_line(o["steps"]))
         if o.get("stages"):
             print(stages_line(o["stages"]))
+        if "device_active" in o:
+            print(f"    device active: {o['device_active']}")
 
 
 def run_cli(config: EngineConfig, opts: GenerateBenchOptions) -> int:

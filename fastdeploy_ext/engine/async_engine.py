@@ -174,11 +174,13 @@ class AsyncLLMEngine:
         if self.engine is None or not self._accepting:
             raise EngineDead("the engine is not running (not started or shutting down)")
 
-    async def generate(self, request_id: str, prompt: PromptInput,
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as deltas (outputs.py); the last has finish_reason set and the
-        whole generation. InvalidRequest is raised before anything is queued; RequestFailed if
-        the request fails in the engine; EngineDead if the step loop dies."""
+        whole generation. ``priority``: lower is scheduled earlier, FIFO among equals
+        (scheduler.py). InvalidRequest is raised before anything is queued (a bad priority
+        included); RequestFailed if the request fails in the engine; EngineDead if the step loop
+        dies."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         with self._qlock:
@@ -191,7 +193,8 @@ class AsyncLLMEngine:
         try:
             eng = self.engine
             try:
-                seq = await loop.run_in_executor(eng.pool, eng.process_request, request_id, prompt, params)
+                seq = await loop.run_in_executor(eng.pool, eng.process_request, request_id, prompt, params,
+                                                 None, priority)
             finally:
                 with self._qlock:
                     self._preprocessing.discard(request_id)

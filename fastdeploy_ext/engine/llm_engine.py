@@ -39,7 +39,7 @@ from .input_processor import FamilyPromptBuilder, InputLimits, InputProcessor
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput, check_priority
 from .sequence import FinishReason, ProcessedPrompt, Sequence, SequenceStatus
 from .step import SeqStep, StepBatch
 
@@ -180,8 +180,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def process_request(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
-                        arrival: float | None = None) -> Sequence:
-        """Preprocess and validate (any thread): a ready Sequence, or InvalidRequest."""
+                        arrival: float | None = None, priority: int = 0) -> Sequence:
+        """Preprocess and validate (any thread): a ready Sequence, or InvalidRequest. ``priority``:
+        lower is scheduled earlier (scheduler.py's rule)."""
+        priority = check_priority(priority)
         arrival = time.time() if arrival is None else arrival
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -202,7 +204,7 @@ class LLMEngine:
         for it in processed.items:
             it.encoder_inputs = self.runner.pin_host(it.encoder_inputs)
         seq = Sequence(next(self._seq_ids), request_id, processed, params, params.max_tokens or room,
-                       self.eos_token_ids, arrival)
+                       self.eos_token_ids, arrival, priority)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self._device).manual_seed(params.seed)
         return seq
@@ -214,18 +216,18 @@ class LLMEngine:
             self._ready.append(seq)
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
-                    stream: bool = False) -> None:
+                    stream: bool = False, priority: int = 0) -> None:
         """Synchronous preprocessing then queueing; InvalidRequest before anything is queued."""
-        self.add_sequence(self.process_request(request_id, prompt, params), stream)
+        self.add_sequence(self.process_request(request_id, prompt, params, priority=priority), stream)
 
     def submit(self, request_id: str, prompt: dict, params: SamplingParams | None = None,
-               stream: bool = False) -> Future:
+               stream: bool = False, priority: int = 0) -> Future:
         """Preprocess in the worker pool, queue when ready. The future holds the Sequence or the
         InvalidRequest; the request is never queued when it fails."""
         arrival = time.time()
 
         def work():
-            seq = self.process_request(request_id, prompt, params, arrival)
+            seq = self.process_request(request_id, prompt, params, arrival, priority)
             self.add_sequence(seq, stream)
             return seq
         fut = self.pool.submit(work)

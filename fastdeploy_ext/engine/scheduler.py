@@ -1,6 +1,22 @@
 """Continuous batching: waiting and running queues; each step is a prefill batch or a decode
-batch (nano-vllm's shape); preemption by recompute, newest first, when KV blocks run out. A
-request waits or is preempted and resumed, never dropped.
+batch (nano-vllm's shape); preemption by recompute when KV blocks run out. A request waits or is
+preempted and resumed, never dropped.
+
+Priorities (vLLM's rule): every request has an integer ``priority``, lower runs earlier, default
+0. Its scheduling key is (priority, arrival), arrival being the order the scheduler received it
+(preprocessing done); the key is kept for the request's whole life, preemptions included.
+- admission: the waiting request with the smallest key goes first (FIFO among equal
+  priorities); when it does not fit (blocks, budget) nothing behind it is admitted in that step
+  (no queue jumping). A preempted request keeps its key, so it resumes before every request of
+  its priority that arrived after it. Admission never preempts a running request: a
+  higher-priority arrival waits for blocks to free up (vLLM v1's rule), so strict priority can
+  delay a low-priority request behind a stream of higher ones, but never among equals;
+- running requests are kept in key order: chunked prefills and decode rows are scheduled
+  highest priority first, and the preemption victim is the last one, the lowest priority
+  (largest value) and, among those, the newest. With every priority equal this is "newest
+  first" by arrival: a resumed request keeps its age and is not the next victim again.
+Both queues cost O(log n) (heap push/pop) or O(n) memmove (sorted insert into running) per
+admitted or preempted request; a step without admission or preemption touches neither.
 
 Two admission modes (DESIGN.md section 4, FD_ENABLE_MAX_PREFILL):
 - max prefill (1): each step admits waiting requests (up to max_num_seqs running) whole: no
@@ -18,15 +34,77 @@ over-committed: an item is reserved there when the step that encodes it is sched
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import logging
-from collections import deque
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache, EncoderCacheError
+from .errors import InvalidRequest
 from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def check_priority(value) -> int:
+    """A request's priority: an integer in the int64 range (lower runs earlier); InvalidRequest
+    naming the field otherwise (a bool or a float is not a priority)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequest(f"priority must be an integer, got {type(value).__name__} {reprlib.repr(value)}")
+    value = int(value)
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise InvalidRequest(f"priority {value} is outside the 64-bit range [-2^63, 2^63 - 1]")
+    return value
+
+
+class SchedulerError(RuntimeError):
+    """A queue invariant broke (a request queued twice): an engine bug, never user input."""
+
+
+class WaitingQueue:
+    """Waiting sequences as a heap on their scheduling key (priority, arrival): peek/pop the
+    smallest in O(1)/O(log n); membership by seq_id in O(1); removal (an abort) O(n)."""
+
+    def __init__(self):
+        self._heap: list[tuple[tuple[int, int], Sequence]] = []   # keys are unique: seqs never compared
+        self._ids: set[int] = set()
+
+    def push(self, seq: Sequence, key: tuple[int, int]) -> None:
+        if seq.seq_id in self._ids:
+            raise SchedulerError(f"{seq} is already waiting")
+        heapq.heappush(self._heap, (key, seq))
+        self._ids.add(seq.seq_id)
+
+    def peek(self) -> Sequence:
+        return self._heap[0][1]
+
+    def pop(self) -> Sequence:
+        seq = heapq.heappop(self._heap)[1]
+        self._ids.discard(seq.seq_id)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        i = next(i for i, (_, s) in enumerate(self._heap) if s is seq)
+        self._heap[i] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+        self._ids.discard(seq.seq_id)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        """In admission order (sorted: for lookups and tests, not the step's hot path)."""
+        return iter([s for _, s in sorted(self._heap, key=lambda e: e[0])])
 
 
 @dataclass(frozen=True)
@@ -69,14 +147,23 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.encoder_cache = encoder_cache
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []      # admission order: the last is the newest
+        self.waiting = WaitingQueue()
+        self.running: list[Sequence] = []      # in key order: the last is the first preemption victim
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
+        self._keys: dict[int, tuple[int, int]] = {}   # seq_id -> (priority, arrival), for its whole life
 
     # ------------------------------------------------------------------ queues
+    def key(self, seq: Sequence) -> tuple[int, int]:
+        """The scheduling key (priority, arrival): smaller is admitted first and preempted last."""
+        return self._keys[seq.seq_id]
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.seq_id in self._keys:
+            raise SchedulerError(f"{seq} was already added")
+        self._keys[seq.seq_id] = (seq.priority, next(self._arrivals))
+        self.waiting.push(seq, self._keys[seq.seq_id])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,6 +184,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free(seq)
         self.encoder_cache.drop_sequence(seq.seq_id)
+        self._keys.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
 
     def find(self, request_id: str) -> Sequence | None:
@@ -118,13 +206,13 @@ class Scheduler:
         self.bm.free(seq)
         self.encoder_cache.drop_sequence(seq.seq_id)     # recompute encodes its items again
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)     # resumed before any newer request
+        self.waiting.push(seq, self.key(seq))    # its old key: resumed before newer requests of its priority
         self.num_preemptions += 1
         log.debug("preempted %s (recompute): %d free blocks", seq, self.bm.num_free)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the newest running sequences until seq's table can cover num_tokens; False if
-        seq itself had to go (it is then back in the waiting queue)."""
+        """Preempt the last running sequences (lowest priority, newest) until seq's table can cover
+        num_tokens; False if seq itself had to go (it is then back in the waiting queue)."""
         while not self.bm.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
@@ -178,13 +266,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(items)))
             budget -= n
             cost_left -= cost
-        # 2. admit waiting requests in arrival order (preempted ones are at the front), unless
+        # 2. admit waiting requests in key order (priority, then arrival; a preempted one keeps
+        # its key, so it comes before the newer requests of its priority), unless
         # this step had to preempt: re-admitting at once the sequence that just preempted
         # itself would refill the same blocks, and a step that is always a prefill starves the
         # decoding sequences that must finish to free them (a livelock)
         preempted = self.num_preemptions > preemptions_before
         while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             first = not out.scheduled
             pending = seq.num_pending_tokens
             if cfg.enable_max_prefill:
@@ -200,11 +289,11 @@ class Scheduler:
                     break                # its next item waits for encoder budget or cache rows
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break                    # wait for blocks; never jump the queue
-            self.waiting.popleft()
+            self.waiting.pop()
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             self._reserve(seq, items)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=self.key)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(items)))
             budget -= n
             cost_left -= cost
@@ -214,13 +303,14 @@ class Scheduler:
         out = SchedulerOutput(is_prefill=False)
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         i = 0
-        while i < len(self.running) and len(out.scheduled) < limit:     # oldest first
+        while i < len(self.running) and len(out.scheduled) < limit:     # key order: highest priority, oldest first
             seq = self.running[i]
             # A new block only when the token crosses a block boundary (once per block_size
             # steps); otherwise nothing to allocate or preempt for.
             if not self.bm.covers(seq, seq.num_tokens):
-                # victims are always newer (later in the list) than seq, or seq itself when it
-                # is the newest: then it left the list and the loop ends. O(running) per step.
+                # victims are always later in the key-ordered list than seq (lower priority or
+                # newer), or seq itself when it is the last: then it left the list and the loop
+                # ends. O(running) per step.
                 if not self._make_room(seq, seq.num_tokens):
                     break
                 self.bm.allocate(seq, seq.num_tokens)

@@ -98,7 +98,8 @@ class RequestMetrics:
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                 max_tokens: int, eos_token_ids: tuple[int, ...] = (), arrival: float = 0.0):
+                 max_tokens: int, eos_token_ids: tuple[int, ...] = (), arrival: float = 0.0,
+                 priority: int = 0):
         self.seq_id = seq_id
         self.request_id = request_id
         self.prompt = prompt
@@ -108,6 +109,7 @@ class Sequence:
         self.prompt_len = len(prompt.prompt_token_ids)
         self.token_ids: list[int] = list(prompt.prompt_token_ids)   # prompt + output
         self.status = SequenceStatus.WAITING
+        self.priority = priority                     # lower is scheduled earlier (scheduler.py)
         self.stream = False                          # report every new token, not only the last
         self.block_table: list[int] = []
         self.num_computed_tokens = 0                 # tokens whose K/V are in the cache

@@ -29,6 +29,7 @@ from ..engine.errors import InvalidRequest
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..engine.scheduler import check_priority
 from ..plan import PlanRequest
 
 log = logging.getLogger(__name__)
@@ -71,36 +72,53 @@ class LLM:
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: str | dict | Sequence[str | dict], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: {"prompt": str, "multi_modal_data": {"image": img or [imgs]}} (or a bare
-        string); a raw prompt is one user turn's text after its images, in the chat template."""
+        string); a raw prompt is one user turn's text after its images, in the chat template.
+        priority: one int for all prompts or one per prompt; lower is scheduled earlier, default
+        0, FIFO among equals (engine/scheduler.py)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         reqs = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
         if not reqs:
             return []
-        return self._run(reqs, sampling_params, use_tqdm)
+        return self._run(reqs, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params: SamplingParams |
-             Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of OpenAI-style messages) or a list of conversations."""
+             Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of OpenAI-style messages) or a list of conversations;
+        priority as in generate()."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidRequest("chat() needs a conversation (list of messages) or a list of conversations")
         if not messages:
             return []
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self._run([{"messages": c} for c in convs], sampling_params, use_tqdm)
+        return self._run([{"messages": c} for c in convs], sampling_params, use_tqdm, priority)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, reqs: list[dict], params, use_tqdm: bool) -> list[RequestOutput]:
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(reqs)
-        if len(params) != len(reqs):
-            raise ValueError(f"{len(params)} sampling params for {len(reqs)} prompts")
+    @staticmethod
+    def _per_prompt(value, n: int, default, what: str) -> list:
+        """One value (not a list) for every prompt, or a list of exactly n."""
+        if not isinstance(value, (list, tuple)):
+            return [default if value is None else value] * n
+        if len(value) != n:
+            raise ValueError(f"{len(value)} {what} for {n} prompts (give one for all or one per prompt)")
+        return list(value)
+
+    def _run(self, reqs: list[dict], params, use_tqdm: bool, priority=None) -> list[RequestOutput]:
+        params = self._per_prompt(params, len(reqs), SamplingParams(), "sampling params")
+        priorities = self._per_prompt(priority, len(reqs), 0, "priorities")
+        for i, pr in enumerate(priorities):
+            try:
+                check_priority(pr)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"prompt {i}: {e}") from None
         eng = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in reqs]
         index = {rid: i for i, rid in enumerate(ids)}
-        futures = {eng.submit(rid, r, p): rid for rid, r, p in zip(ids, reqs, params)}
+        futures = {eng.submit(rid, r, p, priority=pr): rid for rid, r, p, pr in zip(ids, reqs, params, priorities)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = _progress(len(reqs), use_tqdm)
         try:

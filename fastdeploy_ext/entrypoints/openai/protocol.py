@@ -225,6 +225,9 @@ class ChatCompletionRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # vLLM's scheduling priority: lower is scheduled earlier, FIFO among equals (engine/scheduler.py);
+    # an integer of the int64 range (check_json_values refuses a wider one, naming the field)
+    priority: StrictInt = 0
     # ours: per-request override of the server's repetition-loop guard (e.g. {"enabled": false}
     # for a page that legitimately repeats), keys of engine.sampling_params.RepetitionGuard
     repetition_guard: RepetitionGuardOverride | None = None

@@ -250,7 +250,7 @@ class ChatHandler:
             self.ctx.metrics.requests_number.labels(self.model_name).inc()
             if params.max_tokens is not None:
                 self.ctx.metrics.max_tokens_param.labels(self.model_name).observe(params.max_tokens)
-            run.stream = self.ctx.engine.generate(rid, prompt, params).__aiter__()
+            run.stream = self.ctx.engine.generate(rid, prompt, params, priority=req.priority).__aiter__()
             first = await self._first(run, disconnected)
             if first is None:
                 raise _Disconnected()
