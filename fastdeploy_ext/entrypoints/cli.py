@@ -283,7 +283,7 @@ def build_parser():
     bl = command_parser(bsub, "layers", "non-attention ops of a layer: ATen vs the fused path (CUDA)")
     layer_ops.add_arguments(bl)
     bl.set_defaults(func=layer_ops.run_cli)
-    bg = command_parser(bsub, "generate", "end to end: page1 (TTFT, decode tok/s), pages64, lines256 vs transformers")
+    bg = command_parser(bsub, "generate", "end to end: page1 (TTFT, decode tok/s), pages64, lines256, lines512 vs transformers; blocks (layout crops, ours only)")
     add_runner_args(bg)
     add_engine_args(bg)
     from ..bench import generate as generate_bench
