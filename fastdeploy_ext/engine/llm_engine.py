@@ -1,4 +1,4 @@
-"""The synchronous engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
+"""The engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
 
 One step = schedule (prefill or decode batch) -> encode the items the scheduler reserved in the
 encoder cache (max prefill: one packed vision pass for every request admitted in the step;
@@ -320,6 +320,8 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then read the previous one's ids (async scheduling) or this
+        one's (off); the outputs are those the read ids produced, plus aborts."""
         outputs = self._take_inbox()
         sched = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
