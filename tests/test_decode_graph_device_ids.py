@@ -78,3 +78,40 @@ def test_a_device_row_needs_a_decode_step_with_that_row(graphs):
     prefill = StepBatch(True, [SeqStep(0, [5, 6], 0, [3], None, prev_row=0)], PREV)
     with pytest.raises(StepError, match="needs a decode step"):
         r.build_inputs(prefill)
+
+
+# ------------------------------------------------------------------ the host read, one step late
+def test_the_cuda_host_read_is_queued_at_sampling_and_waited_for_at_result(monkeypatch):
+    """CudaDeviceAPI.start_host_read (torch.cuda's pieces recorded on the CPU): page-locked targets,
+    non-blocking copies and one event at sampling; the event is waited for only when the engine
+    reads the result, and the result equals the synchronous sampler's."""
+    from fastdeploy_ext.ops.sampler import SampleRequest, sample, sample_async
+    from backends.cuda.device_api import CudaDeviceAPI
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("event.record")
+
+        def synchronize(self):
+            log.append("event.synchronize")
+    real_empty = torch.empty
+
+    def empty(shape, dtype=None, pin_memory=False):
+        log.append(f"empty(pin_memory={pin_memory})")
+        return real_empty(shape, dtype=dtype)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", empty)
+    api = CudaDeviceAPI(torch.device("cuda", 0))
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    for reqs in ([SampleRequest()] * 4, [SampleRequest(num_logprobs=2)] * 4):
+        log.clear()
+        pending = sample_async(logits.clone(), reqs, start_read=api.start_host_read)
+        assert log and set(log[:-1]) == {"empty(pin_memory=True)"} and log[-1] == "event.record"
+        assert pending.token_ids.tolist() == logits.argmax(-1).tolist()      # on the "device" already
+        res = pending.result()
+        assert log[-1] == "event.synchronize" and log.count("event.synchronize") == 1
+        monkeypatch.setattr(torch, "empty", real_empty)
+        ref = sample(logits.clone(), reqs)
+        monkeypatch.setattr(torch, "empty", empty)
+        assert (res.token_ids, res.logprobs, res.errors) == (ref.token_ids, ref.logprobs, ref.errors)
