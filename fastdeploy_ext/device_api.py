@@ -1,7 +1,8 @@
 """What the framework asks of a device beyond torch's tensor ops, as one narrow object a backend
 supplies: memory queries, pinned host staging and the upload, the graph API (capture, replay,
 pools, the capture stream), peak-memory profiling, synchronize and a timer for the benchmarks,
-the host-sync guard, and the fallbacks its libraries take.
+the host-sync guard, the fallbacks its libraries take, and host reads that complete later (the
+engine's overlapped step loop reads a step's sampled ids one step late).
 
 ``DeviceAPI`` itself is the host's: no pinned memory, no graphs, no allocator statistics (the
 CPU's are not worth trusting), perf_counter timing. A backend whose torch device type needs more
@@ -100,6 +101,12 @@ class DeviceAPI:
         buffers, or None where uploads are done when they return."""
         return None
 
+    def start_host_read(self, tensors: tuple[torch.Tensor, ...]) -> "HostRead":
+        """Queue copies of ``tensors`` (device) to the host without waiting for them; the
+        returned read's get() waits and gives the host tensors. The host's: nothing is queued,
+        get() reads them then (a blocking copy only for a device type nobody registered)."""
+        return HostRead(tensors)
+
     # ------------------------------------------------------------ graphs
     def graph_pool(self):
         """A memory pool handle graphs captured together share."""
@@ -136,6 +143,20 @@ class DeviceAPI:
     def _no(self, what: str) -> RuntimeError:
         return RuntimeError(f"{self.device}: the {self.name} device API has no {what} (a backend supplies them "
                             "by registering a DeviceAPI for its torch device type: fastdeploy_ext/device_api.py)")
+
+
+class HostRead:
+    """Host copies of device tensors, queued by ``start_host_read``: ``get()`` waits for the copies
+    (``event.synchronize()``; no event: the tensors are read then) and returns host tensors."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], event=None):
+        self.tensors, self.event = tuple(tensors), event
+
+    def get(self) -> tuple[torch.Tensor, ...]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return tuple(t.cpu() for t in self.tensors)
 
 
 # ---------------------------------------------------------------------- registry

@@ -100,6 +100,21 @@ class TextStepRunner:
             if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (p_rows, n):
                 raise StepError(f"seq {s.seq_id}: rope_positions must be [{p_rows}, {n}], "
                                 f"got {list(s.rope_positions.shape)}")
+            if s.prev_row is not None:
+                m = 0 if step.prev_token_ids is None else step.prev_token_ids.shape[0]
+                if step.is_prefill or not 0 <= s.prev_row < m:
+                    raise StepError(f"seq {s.seq_id}: prev_row {s.prev_row} needs a decode step whose "
+                                    f"prev_token_ids has that row (it has {m})")
+
+    def feed_device_ids(self, token_ids: torch.Tensor, step: StepBatch) -> None:
+        """Rows whose token is the previous step's sampled id get it on the device (token_ids:
+        the step's uploaded ids, row i = step.seqs[i] in a decode step): one small index upload
+        and a gather, no host round trip."""
+        pairs = [(i, s.prev_row) for i, s in enumerate(step.seqs) if s.prev_row is not None]
+        if not pairs:
+            return
+        dst, src = self.upload(torch.tensor(pairs, dtype=torch.int64).T.contiguous())
+        token_ids.index_copy_(0, dst, step.prev_token_ids.index_select(0, src))
 
     def build_inputs(self, step: StepBatch) -> StepInputs:
         self._check(step)
@@ -148,7 +163,10 @@ class TextStepRunner:
         embeds = None
         if img_embeds:
             embeds = torch.cat([e.to(self.device, non_blocking=True) for e in img_embeds])
-        return StepInputs(self.upload(torch.as_tensor(ids, dtype=torch.int64)), self.upload(positions), embeds,
+        token_ids = self.upload(torch.as_tensor(ids, dtype=torch.int64))
+        if not step.is_prefill:
+            self.feed_device_ids(token_ids, step)
+        return StepInputs(token_ids, self.upload(positions), embeds,
                           self.upload(torch.as_tensor(img_rows, dtype=torch.int64)) if img_rows else None,
                           self.upload(torch.as_tensor(logits_rows, dtype=torch.int64)), meta)
 
@@ -300,6 +318,7 @@ class DecodeGraphs:
         self.tables[:bucket].copy_(self.h_tables[:bucket], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+        self.r.feed_device_ids(self.ids, step)      # the graph's id buffer, on the device
         self.graphs[bucket].replay()
         rows = [i for i, s in enumerate(step.seqs) if s.need_logits]
         out = self.out[bucket]

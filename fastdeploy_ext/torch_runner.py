@@ -41,6 +41,9 @@ class TorchRunner(DeviceRunner):
     name: ClassVar[str] = "torch"
     #: set by subclasses that pin one row regardless of the probe (e.g. the plain `cpu` device)
     forced_row: ClassVar[str | None] = None
+    #: execute() reads a decode row's token from StepBatch.prev_token_ids on the device (eager
+    #: and decode graphs: TextStepRunner.feed_device_ids), so the engine may overlap its steps
+    takes_device_token_ids: ClassVar[bool] = True
 
     # ------------------------------------------------------------ hooks
     @classmethod

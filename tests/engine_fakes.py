@@ -4,6 +4,9 @@ The fake runner keeps a real paged cache (one float code per KV slot) and comput
 logits from what it reads back through the block table, so a wrong block table, start position,
 chunk boundary, rope position or image row changes the tokens. Its logits are a pure function
 of the sequence's content, so batching, chunking and preemption must not change greedy tokens.
+It takes device-resident input ids as the real runner does (a decode row with a prev_row reads
+StepBatch.prev_token_ids; on the CPU those are plain tensors), so the engine overlaps its steps
+on it unless a test turns async scheduling off.
 
 The fake prompt builder speaks the family contract of engine/sequence.py: positions [P, n] with
 P = position_rows (3: mrope-like, 1: 1D rope with rope_delta 0), one placeholder per 2x2
@@ -91,6 +94,7 @@ class FakePromptBuilder:
 
 class FakeRunner:
     device = torch.device("cpu")
+    takes_device_token_ids = True
 
     def __init__(self, vocab: int = 64, block_size: int = 4, position_rows: int = 3):
         self.vocab, self.block_size, self.position_rows = vocab, block_size, position_rows
@@ -139,7 +143,9 @@ class FakeRunner:
             assert pos.shape[0] == self.position_rows, f"rope positions [{pos.shape[0]}, n], not [{self.position_rows}, n]"
             img_rows = iter(s.image_embeds if s.image_embeds is not None else [])
             weights = (1, 3, 7)[:self.position_rows]
-            for j, tok in enumerate(s.token_ids):
+            toks = s.token_ids if s.prev_row is None else [int(step.prev_token_ids[s.prev_row])]
+            assert all(t >= 0 for t in toks), f"seq {s.seq_id}: a placeholder id reached the model"
+            for j, tok in enumerate(toks):
                 code = tok * 1000.0 + float(sum(wt * pos[r, j] for r, wt in enumerate(weights)))
                 if tok == IMAGE_ID:
                     code += round(float(next(img_rows).sum()), 6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdeploy_ext.device_api import DeviceAPI, register_device_api
+from fastdeploy_ext.device_api import DeviceAPI, HostRead, register_device_api
 from fastdeploy_ext.fallbacks import GELU_UNFUSED_NOTE, addmm_activation_available
 from fastdeploy_ext.plan import Decision
 
@@ -69,6 +69,15 @@ class CudaDeviceAPI(DeviceAPI):
 
     def transfer_event(self):
         return torch.cuda.Event()
+
+    def start_host_read(self, tensors):
+        # page-locked targets so the copies queue on the stream behind the work that produces
+        # the tensors; the event says when they have landed (the host goes on meanwhile)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in tensors)
+        event = torch.cuda.Event()
+        event.record()
+        return HostRead(host, event)
 
     # ------------------------------------------------------------ graphs
     def graph_pool(self):

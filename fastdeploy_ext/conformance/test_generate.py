@@ -3,11 +3,13 @@ template): greedy token ids equal the family's reference (PaddleOCR-VL: transfor
 expected ids shipped as package data and compared live too when transformers is installed;
 the toy family: its float64 torch reference); 8 concurrent requests of different images equal each alone; both
 FD_ENABLE_MAX_PREFILL modes (chunks that split an image's tokens included); a KV pool small
-enough to force preemption; the KV pool is fully free after every test."""
+enough to force preemption; the KV pool is fully free after every test. Each generation test runs
+with overlapped ("async") scheduling on and off: the same ids either way."""
 from __future__ import annotations
 
 import pytest
 
+from ..engine.config import EngineConfig
 from ..engine.sampling_params import SamplingParams
 from ..entrypoints.llm import LLM
 from ..plan import PlanRequest
@@ -47,9 +49,17 @@ def images(case):
     return case.images
 
 
-def make_llm(runner, model_dir, **kw):
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def async_scheduling(request):
+    return request.param
+
+
+def make_llm(runner, model_dir, async_scheduling: bool = True, **kw):
     kw = {"max_model_len": 256, "kv_cache_memory": 16 << 20, **kw}
-    return LLM(str(model_dir), runner=runner, preprocess_workers=2, **kw)
+    llm = LLM.from_config(EngineConfig(model=str(model_dir), preprocess_workers=2, async_scheduling=async_scheduling,
+                                       **kw), runner=runner)
+    assert llm.engine.async_scheduling.value is async_scheduling, llm.engine.async_scheduling.reason
+    return llm
 
 
 def generate(llm, imgs):
@@ -59,11 +69,11 @@ def generate(llm, imgs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected, case):
+def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected, case, async_scheduling):
     """Against the fixture's ids always (PaddleOCR-VL: the shipped ones); with the family's live
     reference available (transformers installed), against it run now as well (no skip without
     it: the shipped ids are the reference then)."""
-    llm = make_llm(runner, tiny_vl)
+    llm = make_llm(runner, tiny_vl, async_scheduling)
     alone = [generate(llm, [p])[0] for p in images]
     assert alone == expected["token_ids"]
     if case.live is None:
@@ -78,11 +88,11 @@ def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected,
 
 
 @pytest.mark.parametrize("mode", ["max_prefill", "chunked"])
-def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode):
+def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode, async_scheduling):
     imgs = (list(images) * 2)[:8]      # 8 concurrent requests (the shipped images, twice)
     kw = {"enable_max_prefill": True} if mode == "max_prefill" else \
         {"enable_max_prefill": False, "max_num_batched_tokens": 8}      # chunks split image tokens
-    llm = make_llm(runner, tiny_vl, **kw)
+    llm = make_llm(runner, tiny_vl, async_scheduling, **kw)
     eng = llm.engine
     for i, p in enumerate(imgs):      # all 8 queued before the first step (no pool timing involved)
         eng.add_request(str(i), {"prompt": PROMPT, "images": [str(p)]}, GREEDY)
@@ -98,17 +108,17 @@ def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected
         assert st.num_prefill_steps > len(imgs), "prompts were chunked"
 
 
-def test_preemption_keeps_tokens(runner, tiny_vl, images, expected):
+def test_preemption_keeps_tokens(runner, tiny_vl, images, expected, async_scheduling):
     """A pool of one max_model_len sequence plus a block: 8 requests of 40 tokens must preempt
     (recompute) and still give each request's tokens alone."""
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     imgs = (list(images) * 2)[:8]
-    big = make_llm(runner, tiny_vl, max_model_len=80)
+    big = make_llm(runner, tiny_vl, async_scheduling, max_model_len=80)
     alone = [big.generate([{"prompt": PROMPT, "images": [str(p)]}], long, use_tqdm=False)[0].outputs[0].token_ids
              for p in images]
     assert [a[:MAX_TOKENS] for a in alone] == expected["token_ids"]
     bs = runner.kv_cache_spec().block_size
-    small = make_llm(runner, tiny_vl, max_model_len=80, num_kv_blocks=-(-80 // bs) + 1)
+    small = make_llm(runner, tiny_vl, async_scheduling, max_model_len=80, num_kv_blocks=-(-80 // bs) + 1)
     outs = small.generate([{"prompt": PROMPT, "images": [str(p)]} for p in imgs], long, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == (alone * 2)[:8]
     assert small.engine.scheduler.num_preemptions > 0
@@ -119,8 +129,8 @@ def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], m
     """All requests batched; every sampled token replaced by `forced` (the fp32 greedy ids), so
     both dtypes see the same inputs. Returns {(request, output index): float32 logits row}."""
     from ..engine import llm_engine
-    from ..ops.sampler import SampleResult
-    llm = make_llm(runner, model_dir)
+    from ..ops.sampler import PendingSample, SampleResult
+    llm = make_llm(runner, model_dir, async_scheduling=False)     # each step's logits, then its forced ids
     eng = llm.engine
     rows, last = {}, {}
     execute = runner.execute
@@ -138,10 +148,10 @@ def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], m
             k = s.start_pos + len(s.token_ids) - prompt_len[req]
             rows[(req, k)] = last["logits"][r]
             toks.append(forced[req][k])
-        return SampleResult(toks, [None] * len(toks))
+        return PendingSample.done(SampleResult(toks, [None] * len(toks)), logits.device)
 
     monkeypatch.setattr(runner, "execute", recording_execute)
-    monkeypatch.setattr(llm_engine, "sample", forced_sample)
+    monkeypatch.setattr(llm_engine, "sample_async", forced_sample)
     order, prompt_len = {}, {}
     for i, p in enumerate(images):
         seq = eng.process_request(str(i), {"prompt": PROMPT, "images": [str(p)]}, GREEDY)

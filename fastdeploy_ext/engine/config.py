@@ -64,6 +64,8 @@ class EngineConfig:
     preprocess_workers: int = 4
     step_timeout: float = 300.0                # seconds one step may run (after the first) before the
                                                # async engine reports itself stuck
+    async_scheduling: bool = True              # overlap: build step N+1 while the device runs step N
+                                               # (LLMEngine decides with the runner: async_decision)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_encoder_patches",
@@ -95,6 +97,21 @@ class EngineConfig:
         mode = ("one packed vision pass per step, whole prompts" if value
                 else "per-request item encoding, chunked prefill")
         return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how}): {mode}")
+
+    def async_decision(self, runner) -> Decision:
+        """Overlapped ("async") scheduling: on unless turned off or the runner cannot take the
+        previous step's sampled ids on the device as the next step's input ids."""
+        if not self.async_scheduling:
+            return Decision(False, "--no-async-scheduling: each step waits for its sampled ids before the next "
+                                   "is scheduled")
+        if not getattr(runner, "takes_device_token_ids", False):
+            name = getattr(runner, "name", type(runner).__name__)
+            return Decision(False, f"the {name} runner cannot take device-resident input ids "
+                                   "(takes_device_token_ids): synchronous steps")
+        return Decision(True, "--async-scheduling (default): step N+1 is scheduled and built while the device runs "
+                              "step N, its sampled ids feed N+1 on the device and reach the host one step late; "
+                              "a step with a repetition_penalty request waits for the previous ids (the "
+                              "penalty reads the history on the host)")
 
     def encoder_cache_rows(self) -> Decision:
         """Embedding rows of the encoder cache. Default max(--max-num-batched-tokens,

@@ -1,4 +1,4 @@
-"""The synchronous engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
+"""The engine core: add requests, run steps, return outputs (nano-vllm's LLMEngine).
 
 One step = schedule (prefill or decode batch) -> encode the items the scheduler reserved in the
 encoder cache (max prefill: one packed vision pass for every request admitted in the step;
@@ -16,6 +16,20 @@ why (AsyncLLMEngine raises RequestFailed to its consumer); the batch runs on. Wh
 batch shares (the vision pass, packing the step, runner.execute, an exception raised by the
 sampler itself) cannot be pinned on one request: it leaves step() and the caller's loop dies
 (the server then reports dead and exits for a restart).
+
+Overlapped ("async") scheduling (EngineConfig.async_scheduling, on by default where the runner
+takes device-resident input ids): step() launches step N+1 (schedule, build, execute, sample on
+the device) before it reads step N's sampled ids, so the host's scheduling and batch building
+run while the device computes. A sampled id the host has not read yet is UNRESOLVED_TOKEN in
+``seq.token_ids`` (lengths, block needs and min_tokens counts stay exact); the next decode step
+takes it from the sampler's device tensor (SeqStep.prev_row). When step N's ids arrive, each row
+goes through the same output processing as the synchronous loop (stop checks, streaming,
+finishing); a request found finished then has already been scheduled for N+1: that extra token
+is dropped, never reported or counted, and its blocks are freed now. Aborts and host failures of
+a request in flight end it at once and drop its in-flight token the same way. A step with a
+repetition_penalty request waits for step N's ids first (the penalty reads the history on the
+host). Off (--no-async-scheduling), every step reads its own ids before returning: the same
+code, resolved at once.
 """
 from __future__ import annotations
 
@@ -28,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.sampler import SampleRequest, sample
+from ..ops.sampler import PendingSample, SampleRequest, sample_async
 from ..plan import Decision
 from ..runner import ImageBatch
 from .block_manager import BlockManager
@@ -41,7 +55,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, check_priority
 from .sequence import FinishReason, ProcessedPrompt, Sequence, SequenceStatus
-from .step import SeqStep, StepBatch
+from .step import UNRESOLVED_TOKEN, SeqStep, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +91,18 @@ class EngineStats:
     encoder_cache_items: int = 0       # items held now
     encoder_items_encoded: int = 0     # items the encoder produced since start
     encoder_items_evicted: int = 0     # items dropped before their last chunk (preemption, abort, failure)
+    async_scheduling: bool = False     # steps overlap (the engine's Decision)
+    num_sync_steps: int = 0            # steps that waited for the previous step's ids (async on:
+                                       # a repetition_penalty request in them)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled ids the host has not read yet."""
+    rows: list[tuple[Sequence, int]]   # per logits row: the sequence and the index of its
+                                       # UNRESOLVED_TOKEN in seq.token_ids
+    sample: PendingSample              # token_ids on the device, the host read queued
+    row_of: dict[int, int]             # seq_id -> row of sample.token_ids
 
 
 class LLMEngine:
@@ -89,6 +115,10 @@ class LLMEngine:
         self._device = torch.device(getattr(runner, "device", "cpu"))
         self.max_prefill = config.max_prefill()
         log.info("max prefill: %s (%s)", self.max_prefill.value, self.max_prefill.reason)
+        self.async_scheduling = config.async_decision(runner)
+        log.info("async scheduling: %s (%s)", "on" if self.async_scheduling.value else "off",
+                 self.async_scheduling.reason)
+        self._inflight: InFlight | None = None
         spec = runner.kv_cache_spec()
         num_blocks = self._size_kv_pool(spec)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks.value, spec.block_size,
@@ -127,7 +157,7 @@ class LLMEngine:
         self._sent: dict[int, int] = {}            # seq_id -> output tokens already reported
         self._abort_pending: set[str] = set()
         self._counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, num_finished=0, num_aborted=0,
-                              num_failed=0,
+                              num_failed=0, num_sync_steps=0,
                               prompt_tokens=0, generation_tokens=0, preprocess_s=0.0, vision_s=0.0, vision_passes=0)
 
     # ------------------------------------------------------------------ construction
@@ -251,12 +281,12 @@ class LLMEngine:
         """Something queued or running (requests still preprocessing not counted)."""
         with self._lock:
             ready = bool(self._ready or self._abort_pending)
-        return ready or self.scheduler.has_unfinished()
+        return ready or self.scheduler.has_unfinished() or self._inflight is not None
 
     def has_unfinished(self) -> bool:
         with self._lock:
             busy = bool(self._ready or self._pending)
-        return busy or self.scheduler.has_unfinished()
+        return busy or self.scheduler.has_unfinished() or self._inflight is not None
 
     # ------------------------------------------------------------------ the step
     def _take_inbox(self) -> list[RequestOutput]:
@@ -283,6 +313,7 @@ class LLMEngine:
                         self._abort_pending.add(rid)
                 continue
             self.scheduler.finish(seq)
+            seq.drop_unresolved()          # an in-flight token is dropped with the request
             seq.finish_reason = FinishReason.ABORT
             seq.metrics.finish = time.time()
             self.output_processor.flush(seq)
@@ -291,10 +322,38 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then read the previous one's ids (async scheduling) or this
+        one's (off); the outputs are those the read ids produced, plus aborts."""
         outputs = self._take_inbox()
         sched = self.scheduler.schedule()
-        if sched is None:
-            return outputs
+        prev, self._inflight = self._inflight, None
+        if sched is not None and prev is not None and self._needs_host_ids(sched):
+            outputs += self._resolve(prev)
+            prev = None
+            self._counters["num_sync_steps"] += 1
+        launched = self._launch(sched, prev, outputs) if sched is not None else None
+        if prev is not None:
+            outputs += self._resolve(prev)          # step N's ids, read while step N+1 runs
+        if launched is not None:
+            if self.async_scheduling.value:
+                self._inflight = launched
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    @staticmethod
+    def _needs_host_ids(sched: SchedulerOutput) -> bool:
+        """A row whose sampling reads its ids on the host (the repetition penalty's history)
+        while one of them is still on the device: the step waits for the previous ids."""
+        return any(s.seq.params.repetition_penalty != 1.0 and s.seq.token_ids[-1] == UNRESOLVED_TOKEN
+                   for s in sched.scheduled)
+
+    def _launch(self, sched: SchedulerOutput, prev: InFlight | None,
+                outputs: list[RequestOutput]) -> InFlight | None:
+        """Build, execute and sample one step on the device; the sampled ids are not read here."""
+        finished = SequenceStatus.FINISHED
+        # a request that ended since it was scheduled (the previous ids read just before) is not run
+        sched.scheduled = [s for s in sched.scheduled if s.seq.status is not finished]
         now = time.time()
         for s in sched.scheduled:
             if s.seq.metrics.first_scheduled is None:
@@ -307,31 +366,54 @@ class LLMEngine:
                     rows.append(s)
                 except Exception as e:  # noqa: BLE001 - this request's bookkeeping: it alone fails
                     outputs.append(self._fail(s.seq, e))
-        finished = SequenceStatus.FINISHED
         if any(s.seq.status is finished for s in sched.scheduled):        # failed just above: not run
             sched.scheduled = [s for s in sched.scheduled if s.seq.status is not finished]
-            if not sched.scheduled:
-                return outputs
+        if not sched.scheduled:
+            return None
         # from here to the sampled ids the step is shared by the batch: a fault cannot be pinned
         # on one request and ends the step loop (the server reports dead and exits)
-        batch = self._build_batch(sched)
+        batch = self._build_batch(sched, prev)
         logits = self.runner.execute(batch)
-        result = sample(logits, reqs)
+        pending = sample_async(logits, reqs)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
         c = self._counters
         c["num_steps"] += 1
         c["num_prefill_steps" if sched.is_prefill else "num_decode_steps"] += 1
+        slots = []
+        for s in rows:             # the sampled token's place, known before its value
+            slots.append((s.seq, s.seq.num_tokens))
+            s.seq.token_ids.append(UNRESOLVED_TOKEN)
+        return InFlight(slots, pending, {s.seq.seq_id: i for i, s in enumerate(rows)})
+
+    @staticmethod
+    def _is_live(seq: Sequence) -> bool:
+        """Its in-flight token counts: the request has not ended (finished at the step before,
+        aborted or failed) since the step was launched."""
+        return seq.status is not SequenceStatus.FINISHED
+
+    def _resolve(self, step: InFlight) -> list[RequestOutput]:
+        """Read a launched step's ids (waits for its host copy) and process each row's token
+        exactly as the synchronous loop does; the token of a request that ended meanwhile is
+        dropped."""
+        result = step.sample.result()
+        outputs = []
         now = time.time()
-        for s, tok, lp, err in zip(rows, result.token_ids, result.logprobs, result.errors):
+        for (seq, k), tok, lp, err in zip(step.rows, result.token_ids, result.logprobs, result.errors):
+            if not self._is_live(seq):
+                continue
+            later = seq.token_ids[k + 1:]            # the placeholder of a step launched since
+            del seq.token_ids[k:]
             try:
                 if err is not None:
-                    outputs.append(self._fail(s.seq, err))
+                    outputs.append(self._fail(seq, err))
                     continue
-                out = self._process_token(s.seq, tok, lp, now)
+                out = self._process_token(seq, tok, lp, now)
             except Exception as e:  # noqa: BLE001 - detokenization, stop checks, output: it alone fails
-                outputs.append(self._fail(s.seq, e))
+                outputs.append(self._fail(seq, e))
                 continue
+            if self._is_live(seq):
+                seq.token_ids.extend(later)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -366,6 +448,7 @@ class LLMEngine:
             reason = error
             log.error("request %s failed (the others run on): %s", seq.request_id, reason)
         self.scheduler.finish(seq)
+        seq.drop_unresolved()
         seq.finish_reason, seq.stop_reason = FinishReason.ERROR, None
         seq.metrics.finish = time.time()
         self._counters["num_failed"] += 1
@@ -418,10 +501,22 @@ class LLMEngine:
             return None
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
+    def _build_batch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> StepBatch:
         if not sched.is_prefill:
-            return StepBatch(False, [SeqStep(s.seq.seq_id, [s.seq.token_ids[-1]], s.start, s.seq.block_table,
-                                             None, s.seq.prompt.rope_delta) for s in sched.scheduled])
+            steps, from_device = [], False
+            for s in sched.scheduled:
+                seq = s.seq
+                tok = seq.token_ids[-1]
+                row = None
+                if tok == UNRESOLVED_TOKEN:           # sampled by the step in flight: read on the device
+                    row = prev.row_of.get(seq.seq_id) if prev is not None else None
+                    if row is None:
+                        raise RuntimeError(f"{seq}: its last token is not known on the host and not in the step "
+                                           "in flight")
+                    from_device = True
+                steps.append(SeqStep(seq.seq_id, [tok], s.start, seq.block_table, None, seq.prompt.rope_delta,
+                                     prev_row=row))
+            return StepBatch(False, steps, prev.sample.token_ids if from_device else None)
         work = [(s.seq, list(s.encode)) for s in sched.scheduled if s.encode]
         if work:
             if self.max_prefill.value:
@@ -432,6 +527,11 @@ class LLMEngine:
         steps = []
         for s in sched.scheduled:
             seq = s.seq
+            if seq.token_ids[s.end - 1] == UNRESOLVED_TOKEN:
+                # placeholders sit at the tail and a preempted sequence is re-admitted only after
+                # its in-flight id is read: a prefill of one would feed the model a fake token
+                raise RuntimeError(f"{seq}: a prefill chunk [{s.start}, {s.end}) reaches a token the host has "
+                                   "not read yet")
             steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
                                  seq.positions(s.start, s.end), seq.prompt.rope_delta,
                                  self._embeds(seq, s.start, s.end), need_logits=s.completes_prefill))
@@ -461,7 +561,8 @@ class LLMEngine:
                            encoder_graph_fallbacks=int(getattr(enc, "fallbacks", 0)),
                            encoder_cache_rows_total=ec.capacity_rows, encoder_cache_rows_used=ec.used_rows,
                            encoder_cache_items=ec.num_items, encoder_items_encoded=ec.num_encoded,
-                           encoder_items_evicted=ec.num_evicted, **c)
+                           encoder_items_evicted=ec.num_evicted,
+                           async_scheduling=bool(self.async_scheduling.value), **c)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,5 +1,7 @@
 """One request's state inside the engine (nano-vllm's Sequence): its prompt, its output, its
-status and its KV block table.
+status and its KV block table. With overlapped scheduling ``token_ids`` may end with
+UNRESOLVED_TOKEN entries (engine/step.py): ids sampled on the device that the host reads one
+step later; sizes count them, output processing only ever sees read ids.
 
 The contract with a model family (models/interface.py), on the input side:
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling_params import SamplingParams
+from .step import UNRESOLVED_TOKEN
 
 
 class SequenceStatus(enum.Enum):
@@ -172,6 +175,12 @@ class Sequence:
             tail = torch.arange(lo, end, dtype=torch.int64) + self.prompt.rope_delta
             parts.append(tail.expand(self.prompt.positions.shape[0], -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def drop_unresolved(self) -> None:
+        """Forget the sampled ids not read yet (engine/step.py's UNRESOLVED_TOKEN at the tail):
+        the request ended while a step that sampled for it was in flight."""
+        while self.token_ids and self.token_ids[-1] == UNRESOLVED_TOKEN and len(self.token_ids) > self.prompt_len:
+            self.token_ids.pop()
 
     # ------------------------------------------------------------------ preemption
     def reset_for_recompute(self) -> None:

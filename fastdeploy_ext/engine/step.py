@@ -2,7 +2,11 @@
 
 The scheduler decides which sequences run and which KV blocks they own; the runner turns a
 StepBatch into next-token logits. Everything here is host data (Python ints, host tensors), so
-building a step never touches the device and never syncs.
+building a step never touches the device and never syncs — with one exception, the overlapped
+loop's input ids: a decode row whose token the host has not read yet (it was sampled by the step
+still running) names its row in ``StepBatch.prev_token_ids``, the previous step's sampled ids on
+the device, and the runner copies it there on the device (``SeqStep.prev_row``). A runner that
+can do that says so with ``takes_device_token_ids = True``.
 
 Positions: a prefill's ``rope_positions`` is int64 ``[P, len(token_ids)]`` with ``P =
 family.position_rows`` (3 for PaddleOCR-VL's mrope rows t/h/w, 1 for a 1D rope); a decode token's
@@ -16,6 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+#: the host's stand-in for a sampled id it has not read yet (never a vocabulary id)
+UNRESOLVED_TOKEN = -1
 
 
 @dataclass
@@ -36,12 +44,16 @@ class SeqStep:
                                          # tokens among token_ids, in order (device or host; the
                                          # runner moves them)
     need_logits: bool = True             # False for a prefill chunk that is not the prompt's last
+    prev_row: int | None = None          # decode: the token is prev_token_ids[prev_row] (device),
+                                         # token_ids[0] only a placeholder (UNRESOLVED_TOKEN)
 
 
 @dataclass
 class StepBatch:
     is_prefill: bool                     # a step is all-prefill or all-decode (nano-vllm's shape)
     seqs: list[SeqStep] = field(default_factory=list)
+    prev_token_ids: torch.Tensor | None = None   # int64 [m] on the device: the previous step's sampled
+                                         # ids, read by the rows with a prev_row
 
     @property
     def num_tokens(self) -> int:

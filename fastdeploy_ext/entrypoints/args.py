@@ -196,6 +196,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
     g.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
                    help="a step running longer than S seconds (the first, warm-up step not counted) marks the "
                         "engine stuck: the server's /health answers 503 and it exits 1 for a restart")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and build step N+1 while the device runs step N (sampled ids feed the next "
+                        "decode on the device; the host reads them one step late); off: every step waits for "
+                        "its ids (default: on)")
     return g
 
 
@@ -210,7 +214,8 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
                            limit_mm_per_prompt=parse_limit_mm(ns.limit_mm_per_prompt),
                            gpu_memory_utilization=ns.gpu_memory_utilization,
                            kv_cache_memory=parse_bytes(ns.kv_cache_memory),
-                           step_timeout=getattr(ns, "step_timeout", 300.0))
+                           step_timeout=getattr(ns, "step_timeout", 300.0),
+                           async_scheduling=getattr(ns, "async_scheduling", True))
         cfg.validate()
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None

@@ -1,4 +1,4 @@
-"""Next-token sampling for one engine step, on the device, one host transfer at the end.
+"""Next-token sampling for one engine step, on the device, its host read queued at the end.
 
 Per request: greedy (temperature 0), temperature, top_k, top_p (applied in transformers' order:
 repetition penalty, temperature, top-k, top-p), a seed (a per-request generator, so a request's
@@ -12,14 +12,23 @@ or nothing left to sample after the penalties, bans and filters) is never handed
 ``multinomial`` (a NaN there raises on the CPU and is a device assert on CUDA); it gets
 ``SampleResult.errors[i]`` and the engine fails that request alone. The check is computed on the
 device and travels in the step's single host transfer.
+
+``sample_async`` returns a :class:`PendingSample`: the sampled ids stay on the device (the next
+decode step reads them there) and the host copy of everything the engine needs (ids, the finite
+flags, logprobs) is queued through the device API (``start_host_read``: pinned memory and an
+event on CUDA); ``result()`` waits for it. The engine's overlapped loop calls it one step later;
+``sample`` is the synchronous ``sample_async(...).result()``.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 from typing import Sequence as Seq
 
 import torch
+
+from ..device_api import HostRead, device_api_for
 
 
 @dataclass
@@ -48,6 +57,25 @@ class SampleResult:
         self.errors = self.errors or [None] * n
 
 
+@dataclass
+class PendingSample:
+    """One step's samples: ``token_ids`` on the device now (int64 [n], the next decode step's
+    inputs), the host's SampleResult once ``result()`` has waited for the queued host read."""
+    token_ids: torch.Tensor
+    read: HostRead
+    decode: Callable[[tuple[torch.Tensor, ...]], SampleResult]
+
+    def result(self) -> SampleResult:
+        return self.decode(self.read.get())
+
+    @classmethod
+    def done(cls, result: SampleResult, device: torch.device | str = "cpu") -> "PendingSample":
+        """A result already on the host (its ids uploaded for the next step): tests and callers
+        that replace the sampler."""
+        ids = torch.tensor(result.token_ids, dtype=torch.int64, device=device)
+        return cls(ids, HostRead(()), lambda _host: result)
+
+
 GREEDY_EPS = 1e-5        # a temperature below samples greedily (vLLM's _SAMPLING_EPS; SamplingParams.validate
                          # maps such temperatures to 0 with this same constant)
 
@@ -67,16 +95,27 @@ def _row_errors(rows_bad: list[bool], reqs: list["SampleRequest"]) -> list[str |
 _FLOAT32_EXPONENT = 0x7F800000      # all exponent bits set: +-inf or NaN
 
 
-def _ids_and_nonfinite(ids: torch.Tensor, values: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Host ids and "value is not finite" per row, in one transfer and one concatenation: the
-    int64 ids viewed as int32 pairs (low word first on every little-endian device; ids < 2**31)
-    next to the float32 values' raw bits, whose exponent says inf/NaN."""
-    n = ids.shape[0]
+def _pack_ids_and_bits(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One device tensor for the host to read: the int64 ids viewed as int32 pairs (low word
+    first on every little-endian device; ids < 2**31) next to the float32 values' raw bits, whose
+    exponent says inf/NaN (one concatenation, one transfer)."""
     if sys.byteorder != "little":          # no supported device is big-endian; stay correct anyway
-        ids_host, bad_host = torch.stack([ids, (~torch.isfinite(values)).to(ids.dtype)]).tolist()
+        return torch.stack([ids, (~torch.isfinite(values)).to(ids.dtype)])
+    return torch.cat([ids.contiguous().view(torch.int32), values.float().contiguous().view(torch.int32)])
+
+
+def _unpack_ids_and_bits(packed: torch.Tensor, n: int) -> tuple[list[int], list[bool]]:
+    """Host ids and "value is not finite" per row from _pack_ids_and_bits' tensor (on the host)."""
+    if packed.dim() == 2:
+        ids_host, bad_host = packed.tolist()
         return ids_host, [bool(b) for b in bad_host]
-    packed = torch.cat([ids.contiguous().view(torch.int32), values.float().contiguous().view(torch.int32)]).tolist()
-    return packed[0:2 * n:2], [(b & _FLOAT32_EXPONENT) == _FLOAT32_EXPONENT for b in packed[2 * n:]]
+    flat = packed.tolist()
+    return flat[0:2 * n:2], [(b & _FLOAT32_EXPONENT) == _FLOAT32_EXPONENT for b in flat[2 * n:]]
+
+
+def _ids_and_nonfinite(ids: torch.Tensor, values: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Host ids and "value is not finite" per row, in one transfer."""
+    return _unpack_ids_and_bits(_pack_ids_and_bits(ids, values).cpu(), ids.shape[0])
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[int], reqs: list[SampleRequest]) -> None:
@@ -109,12 +148,22 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
-    """logits: float32 [len(reqs), V] on the device (rows may be modified in place)."""
+    """logits: float32 [len(reqs), V] on the device (rows may be modified in place); waits for
+    the host read."""
+    return sample_async(logits, reqs).result()
+
+
+def sample_async(logits: torch.Tensor, reqs: list[SampleRequest],
+                 start_read: Callable[[tuple[torch.Tensor, ...]], HostRead] | None = None) -> PendingSample:
+    """Sample on the device and queue the host read (``start_read``: the device API's
+    start_host_read by default) without waiting for it."""
     n = logits.shape[0]
     if n != len(reqs):
         raise ValueError(f"sampler: {n} logits rows for {len(reqs)} requests")
+    start_read = start_read or device_api_for(logits.device).start_host_read
     if n == 0:
-        return SampleResult([], [], [])
+        return PendingSample(torch.empty(0, dtype=torch.long, device=logits.device), HostRead(()),
+                             lambda _host: SampleResult([], [], []))
     logits = logits.float()
     want_lp = [i for i, r in enumerate(reqs) if r.num_logprobs is not None]
     raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
@@ -139,8 +188,10 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     # isfinite alone is five launches on CUDA, ~8 % of a batch-1 decode step on the H200)
     top_values, next_ids = logits.max(dim=-1)
     if greedy and not want_lp:
-        ids_host, bad_host = _ids_and_nonfinite(next_ids, top_values)
-        return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
+        def decode_greedy(host):
+            ids_host, bad_host = _unpack_ids_and_bits(host[0], n)
+            return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
+        return PendingSample(next_ids, start_read((_pack_ids_and_bits(next_ids, top_values),)), decode_greedy)
     bad = ~torch.isfinite(top_values)
     if not greedy:
         dev = logits.device
@@ -165,24 +216,31 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
                 sampled[i] = torch.multinomial(probs[i], 1, generator=reqs[i].generator)[0]
         next_ids = sampled
 
+    ids_and_bad = torch.stack([next_ids, bad.to(next_ids.dtype)])
     if not want_lp:
-        ids_host, bad_host = torch.stack([next_ids, bad.to(next_ids.dtype)]).tolist()
-        return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
-    # one transfer for the ids and everything logprobs need
+        def decode_plain(host):
+            ids_host, bad_host = host[0].tolist()
+            return SampleResult(ids_host, [None] * n, _row_errors(bad_host, reqs))
+        return PendingSample(next_ids, start_read((ids_and_bad,)), decode_plain)
+    # one host read for the ids and everything logprobs need
     kmax = max(reqs[i].num_logprobs for i in want_lp)
     lp_rows = raw_logprobs.index_select(0, torch.tensor(want_lp, dtype=torch.long).to(logits.device))
     chosen_ids = next_ids.index_select(0, torch.tensor(want_lp, dtype=torch.long).to(logits.device))
     chosen = lp_rows.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
     rank = (lp_rows > chosen.unsqueeze(1)).sum(dim=1) + 1
     top = lp_rows.topk(kmax, dim=-1) if kmax > 0 else None
-    ids_host, bad_host = torch.stack([next_ids, bad.to(next_ids.dtype)]).tolist()
-    chosen_h, rank_h = chosen.tolist(), rank.tolist()
-    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else (None, None)
-    out: list[dict | None] = [None] * n
-    for j, i in enumerate(want_lp):
-        if bad_host[i]:
-            continue
-        k = reqs[i].num_logprobs
-        out[i] = {"token_id": ids_host[i], "logprob": chosen_h[j], "rank": rank_h[j],
-                  "top": list(zip(top_i[j][:k], top_v[j][:k])) if k else []}
-    return SampleResult(ids_host, out, _row_errors(bad_host, reqs))
+    tensors = (ids_and_bad, chosen, rank) + ((top.values, top.indices) if top is not None else ())
+
+    def decode_logprobs(host):
+        ids_host, bad_host = host[0].tolist()
+        chosen_h, rank_h = host[1].tolist(), host[2].tolist()
+        top_v, top_i = (host[3].tolist(), host[4].tolist()) if top is not None else (None, None)
+        out: list[dict | None] = [None] * n
+        for j, i in enumerate(want_lp):
+            if bad_host[i]:
+                continue
+            k = reqs[i].num_logprobs
+            out[i] = {"token_id": ids_host[i], "logprob": chosen_h[j], "rank": rank_h[j],
+                      "top": list(zip(top_i[j][:k], top_v[j][:k])) if k else []}
+        return SampleResult(ids_host, out, _row_errors(bad_host, reqs))
+    return PendingSample(next_ids, start_read(tensors), decode_logprobs)

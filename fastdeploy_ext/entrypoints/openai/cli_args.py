@@ -313,6 +313,8 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
                 parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
             if value:
                 tokens.append(flag)
+            elif isinstance(action, argparse.BooleanOptionalAction):     # on by default: false says --no-X
+                tokens.append("--no-" + flag[2:])
             continue
         values = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
         tokens.append(flag)
