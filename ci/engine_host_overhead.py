@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fastdeploy_ext.device_api import device_api_for  # noqa: E402
 from fastdeploy_ext.engine.sampling_params import SamplingParams  # noqa: E402
 from fastdeploy_ext.engine.step import SeqStep, StepBatch  # noqa: E402
 from fastdeploy_ext.text_runner import DecodeGraphs  # noqa: E402
@@ -61,6 +62,7 @@ def engine_step_ms(batch: int, steps: int) -> float:
 
 class _Runner:                                    # what DecodeGraphs reads of a runner
     block_size, num_blocks, device = 64, 20000, torch.device("cpu")
+    device_api = device_api_for(device)
 
 
 def stage_ms(batch: int, reps: int = 50) -> float:

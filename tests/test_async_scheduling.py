@@ -219,10 +219,11 @@ def test_a_placeholder_never_reaches_a_prefill_or_an_unknown_decode_row():
 def test_the_flag_and_a_runner_without_device_ids_decide_it(caplog):
     with caplog.at_level("INFO", logger="fastdeploy_ext.engine.llm_engine"):
         make_engine()
-    assert "async scheduling: on (--async-scheduling (default)" in caplog.text
+    assert "async scheduling: on (default: step N+1" in caplog.text
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert p.parse_args([]).async_scheduling is True
+    assert p.parse_args([]).async_scheduling is None                 # unset: the device's row decides
+    assert p.parse_args(["--async-scheduling"]).async_scheduling is True
     assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False
 
     class HostIdsRunner(FakeRunner):
@@ -243,6 +244,26 @@ def test_serve_config_file_turns_it_off(tmp_path):
     from fastdeploy_ext.entrypoints.openai import api_server, cli_args
     f = tmp_path / "serve.yaml"
     p = api_server.build_parser()
-    for text, want in (("async_scheduling: false\n", False), ("async_scheduling: true\n", True), ("{}\n", True)):
+    for text, want in (("async_scheduling: false\n", False), ("async_scheduling: true\n", True), ("{}\n", None)):
         f.write_text(text)
         assert p.parse_args(cli_args.expand_config_file(p, ["--config", str(f)])).async_scheduling is want
+
+
+def test_the_capability_row_decides_when_the_user_does_not():
+    """A row with ``async_scheduling: {default: false}`` (the GPU rows until their card has run
+    the overlapped loop) turns it off unless --async-scheduling is given; the shipped rows say
+    so, and a row without the key keeps it on."""
+    from dataclasses import replace as dc_replace
+
+    from fastdeploy_ext.capabilities import capability_table
+    table = capability_table()
+    assert not table["cuda_sm90"].async_scheduling_default and not table["metax_c500"].async_scheduling_default
+    assert table["cpu"].async_scheduling_default
+
+    class RowRunner(FakeRunner):
+        row = dc_replace(table["cpu"], name="gpu_like", async_scheduling_default=False)
+    off = EngineConfig().async_decision(RowRunner())
+    assert off.value is False and "row gpu_like" in off.reason and "--async-scheduling turns it on" in off.reason
+    assert EngineConfig(async_scheduling=True).async_decision(RowRunner()).value is True
+    on = EngineConfig().async_decision(type("CpuRowRunner", (FakeRunner,), {"row": table["cpu"]})())
+    assert on.value is True and "row cpu" in on.reason

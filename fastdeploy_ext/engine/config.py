@@ -64,7 +64,7 @@ class EngineConfig:
     preprocess_workers: int = 4
     step_timeout: float = 300.0                # seconds one step may run (after the first) before the
                                                # async engine reports itself stuck
-    async_scheduling: bool = True              # overlap: build step N+1 while the device runs step N
+    async_scheduling: bool | None = None       # overlap step N+1's host work with step N (None: the row's default)
                                                # (LLMEngine decides with the runner: async_decision)
 
     def validate(self) -> None:
@@ -99,19 +99,27 @@ class EngineConfig:
         return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how}): {mode}")
 
     def async_decision(self, runner) -> Decision:
-        """Overlapped ("async") scheduling: on unless turned off or the runner cannot take the
-        previous step's sampled ids on the device as the next step's input ids."""
-        if not self.async_scheduling:
+        """Overlapped ("async") scheduling: --async-scheduling / --no-async-scheduling when given;
+        otherwise the runner's capability row decides (``async_scheduling.default``: off on a row
+        whose device has not yet shown the device-fed decode inputs right). Never on a runner that
+        cannot take the previous step's sampled ids on the device as the next step's input ids."""
+        how = ("step N+1 is scheduled and built while the device runs step N, its sampled ids feed N+1 on the "
+               "device and reach the host one step late; a step with a repetition_penalty request waits for the "
+               "previous ids (the penalty reads the history on the host)")
+        if self.async_scheduling is False:
             return Decision(False, "--no-async-scheduling: each step waits for its sampled ids before the next "
                                    "is scheduled")
         if not getattr(runner, "takes_device_token_ids", False):
             name = getattr(runner, "name", type(runner).__name__)
             return Decision(False, f"the {name} runner cannot take device-resident input ids "
                                    "(takes_device_token_ids): synchronous steps")
-        return Decision(True, "--async-scheduling (default): step N+1 is scheduled and built while the device runs "
-                              "step N, its sampled ids feed N+1 on the device and reach the host one step late; "
-                              "a step with a repetition_penalty request waits for the previous ids (the "
-                              "penalty reads the history on the host)")
+        if self.async_scheduling is True:
+            return Decision(True, f"--async-scheduling: {how}")
+        row = getattr(runner, "row", None)
+        if row is not None and not row.async_scheduling_default:
+            return Decision(False, f"row {row.name}: async_scheduling.default is false (the overlapped step loop is "
+                                   "not yet verified on this device); --async-scheduling turns it on")
+        return Decision(True, f"default{f' of row {row.name}' if row is not None else ''}: {how}")
 
     def encoder_cache_rows(self) -> Decision:
         """Embedding rows of the encoder cache. Default max(--max-num-batched-tokens,

@@ -196,10 +196,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
     g.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
                    help="a step running longer than S seconds (the first, warm-up step not counted) marks the "
                         "engine stuck: the server's /health answers 503 and it exits 1 for a restart")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and build step N+1 while the device runs step N (sampled ids feed the next "
                         "decode on the device; the host reads them one step late); off: every step waits for "
-                        "its ids (default: on)")
+                        "its ids (default: the device's capability row: on for the CPU rows, off on the GPU "
+                        "rows until verified there)")
     return g
 
 
@@ -215,7 +216,7 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
                            gpu_memory_utilization=ns.gpu_memory_utilization,
                            kv_cache_memory=parse_bytes(ns.kv_cache_memory),
                            step_timeout=getattr(ns, "step_timeout", 300.0),
-                           async_scheduling=getattr(ns, "async_scheduling", True))
+                           async_scheduling=getattr(ns, "async_scheduling", None))
         cfg.validate()
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None

@@ -132,6 +132,8 @@ class CapabilityRow:
     fused_default: bool = False
     source: str = field(default="", compare=False)   # the file it came from (fastdeploy_ext/capabilities.py)
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    #: overlapped ("async") scheduling when the user does not choose (engine/config.py's decision)
+    async_scheduling_default: bool = True
 
     def entries(self, kind: ComponentKind) -> tuple[KernelEntry, ...]:
         """The row's backends for ``kind`` in preference order (empty: the row lists none)."""
@@ -164,7 +166,8 @@ class CapabilityRow:
                    bool(d["host_grid_thw"]), tuple(d["graphs"]["kinds"]), bool(d["graphs"]["default"]),
                    bool(d.get("fused_layers", {}).get("supported", False)),
                    bool(d.get("fused_layers", {}).get("default", False)),
-                   kv_block_size=int(d.get("kv_block_size", DEFAULT_KV_BLOCK_SIZE)))
+                   kv_block_size=int(d.get("kv_block_size", DEFAULT_KV_BLOCK_SIZE)),
+                   async_scheduling_default=bool(d.get("async_scheduling", {}).get("default", True)))
 
 
 @lru_cache(maxsize=None)
