@@ -191,9 +191,9 @@ def test_a_penalty_step_waits_for_the_ids_its_history_needs(monkeypatch):
     histories = []
     sample = llm_engine.sample_async
 
-    def recording(logits, reqs):
+    def recording(logits, reqs, start_read=None):
         histories.extend(list(r.history) for r in reqs if r.repetition_penalty != 1.0)
-        return sample(logits, reqs)
+        return sample(logits, reqs, start_read)
     monkeypatch.setattr(llm_engine, "sample_async", recording)
     params = [SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5)]
     run(make_engine(async_scheduling=True), params, n=3)

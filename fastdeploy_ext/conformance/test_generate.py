@@ -140,7 +140,7 @@ def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], m
         last["step"], last["logits"] = step, out.float().cpu()
         return out
 
-    def forced_sample(logits, reqs):
+    def forced_sample(logits, reqs, start_read=None):
         step = last["step"]
         toks = []
         for r, s in enumerate(s for s in step.seqs if s.need_logits):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device_api import HostRead
 from ..ops.sampler import PendingSample, SampleRequest, sample_async
 from ..plan import Decision
 from ..runner import ImageBatch
@@ -374,7 +375,9 @@ class LLMEngine:
         # on one request and ends the step loop (the server reports dead and exits)
         batch = self._build_batch(sched, prev)
         logits = self.runner.execute(batch)
-        pending = sample_async(logits, reqs)
+        # a synchronous step reads its ids at once with one blocking copy (nothing to overlap it
+        # with); the device API's queued read (page-locked copies + an event) pays when deferred
+        pending = sample_async(logits, reqs, None if self.async_scheduling.value else HostRead)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
         c = self._counters
