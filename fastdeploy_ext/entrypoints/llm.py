@@ -122,7 +122,7 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = _progress(len(reqs), use_tqdm)
         try:
-            while futures or eng.scheduler.has_unfinished():
+            while futures or eng.has_unfinished_in_engine():      # an in-flight step (async scheduling) counts
                 failed = [f for f in futures if f.done() and f.exception() is not None]
                 if failed:
                     rid = futures[failed[0]]
