@@ -122,7 +122,10 @@ class TorchRunner(DeviceRunner):
             plan = resolve_for_components(row, request, components, device=str(device),
                                           kernels=kernels.vision_facts(device),
                                           emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
-                                          text_available=kernels.paged_availability(device))
+                                          text_available=kernels.paged_availability(device),
+                                          deformable_available={
+                                              n: b.available(device) for n, b in
+                                              kernels.backends(ComponentKind.DEFORMABLE_ATTENTION).items()})
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
@@ -215,6 +218,9 @@ class TorchRunner(DeviceRunner):
         return self.plan
 
     def _set_execution(self) -> None:
+        if self.family.role is not FamilyRole.VLM:
+            self.execution = None       # a detector's kernel is set on its model (load_detector)
+            return
         name = self.plan.attention.value        # None: the model has no vision varlen attention
         attention = None if name is None else self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, name)
         self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
@@ -371,7 +377,7 @@ class TorchRunner(DeviceRunner):
         self.dtype = DTYPE_BY_NAME[self.plan.dtype.value]
         model, report = family.load_detector(src, dtype=self.dtype, device=self.device, cfg=cfg)
         backend = self.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value
-        model.set_deformable_kernel(family.deformable_kernel(backend))
+        model.set_deformable_kernel(self.kernels.get(ComponentKind.DEFORMABLE_ATTENTION, backend).sample)
         self.detector, self.detector_family, self.detector_cfg, self.detector_report = model, family, cfg, report
         log.info("detector family %s (%s): deformable attention %s, %s on %s", family.name, choice.reason, backend,
                  self.dtype, self.device)

@@ -316,3 +316,39 @@ def test_the_runner_refuses_the_wrong_role_both_ways(tiny):
         runner.load_detector(None, load_format="dummy", model_family="paddleocr_vl")
     with pytest.raises(RuntimeError, match="no detector loaded"):
         runner.detect(torch.zeros(1, 3, 8, 8), [(8, 8)], threshold=0.5)
+
+
+# ---------------------------------------------------------------------------------- no host syncs
+def _meta_detector(tiny):
+    from fastdeploy_ext.models.pp_doclayout_v3.model import PPDocLayoutV3
+    cfg = PPDocLayoutV3Config.from_model_dir(str(tiny[0]))
+    with torch.device("meta"):
+        return PPDocLayoutV3(cfg).eval()
+
+
+def test_the_detector_forward_has_no_host_sync(tiny):
+    """The host path's proof: the forward on ``meta`` tensors (where a read-back or a
+    data-dependent op is an op the guard sees) under the guard every leg runs."""
+    from fastdeploy_ext.sync_guard import HostSyncGuard
+    model = _meta_detector(tiny)
+    with torch.inference_mode(), HostSyncGuard({"meta"}):
+        out = model(torch.zeros(2, 3, fx.IMAGE, fx.IMAGE, device="meta"))
+    assert out.logits.shape == (2, 20, 25) and out.order_logits.shape == (2, 20, 20)
+
+
+@pytest.mark.parametrize("mutation", ["item", "nonzero"])
+def test_the_sync_guard_fires_on_a_sync_injected_into_the_detector(tiny, monkeypatch, mutation):
+    from fastdeploy_ext.models.pp_doclayout_v3 import model as mod
+    from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
+    real = mod.mask_boxes
+
+    def syncing(mask):
+        if mutation == "item":
+            mask.any().item()
+        else:
+            mask.nonzero()
+        return real(mask)
+    monkeypatch.setattr(mod, "mask_boxes", syncing)
+    model = _meta_detector(tiny)
+    with pytest.raises(HostSyncError), torch.inference_mode(), HostSyncGuard({"meta"}):
+        model(torch.zeros(1, 3, fx.IMAGE, fx.IMAGE, device="meta"))

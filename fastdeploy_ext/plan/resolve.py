@@ -45,13 +45,16 @@ def _paged_availability(device: str) -> dict[str, tuple[bool, str]]:
 def resolve_for_components(row: CapabilityRow, request: PlanRequest, components: Sequence[Component], *,
                            device: str, kernels: Mapping[str, KernelFacts], emulated: bool = False,
                            row_reason: str = "", text_available: Mapping[str, tuple[bool, str]] | None = None,
-                           consumers_needing_dense: tuple[str, ...] = ()) -> RunPlan:
+                           consumers_needing_dense: tuple[str, ...] = (),
+                           deformable_available: Mapping[str, tuple[bool, str]] | None = None) -> RunPlan:
     """The plan for a model's declared components. ``kernels``: vision attention backend name ->
     its facts and presence on this device (the backend objects': KernelRegistry.facts); a
     listed backend missing there is unavailable. ``text_available`` the same for the paged
     decoder backends, (present, reason) each (None: probe the built-ins on ``device``).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
-    contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
+    contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout.
+    ``deformable_available``: the deformable attention backends, (present, reason) each (None:
+    the built-in ATen one)."""
     request.validate()
     notes: list[str] = [f"row {row.name}: {row_reason}"] if row_reason else []
     by_kind = components_by_kind(components)
@@ -65,7 +68,8 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
         ComponentKind.VISION_VARLEN_ATTENTION: kernels,
         ComponentKind.PAGED_DECODER_ATTENTION: _paged_availability(device) if text_available is None
         else text_available,
-        ComponentKind.DEFORMABLE_ATTENTION: BUILTIN_DEFORMABLE,
+        ComponentKind.DEFORMABLE_ATTENTION: BUILTIN_DEFORMABLE if deformable_available is None
+        else deformable_available,
     }
     chosen = {kind: resolve(KindContext(row, kind, by_kind[kind], request, dtype.value, available[kind], notes))
               for kind, resolve in KIND_RESOLVERS.items() if kind in by_kind}

@@ -37,14 +37,6 @@ class PPDocLayoutV3Family(DetectorFamily):
     def label_names(self, cfg: PPDocLayoutV3Config) -> tuple[str, ...]:
         return cfg.labels
 
-    def deformable_kernel(self, backend: str):
-        """The sampling function of the plan's deformable attention backend."""
-        from .model import DEFORMABLE_KERNELS
-        if backend not in DEFORMABLE_KERNELS:
-            raise ValueError(f"deformable attention backend {backend!r} has no kernel in {self.name} "
-                             f"(known: {', '.join(DEFORMABLE_KERNELS)})")
-        return DEFORMABLE_KERNELS[backend]
-
     def postprocess(self, cfg, outputs, sizes, *, threshold):
         from .postprocess import detections
         return detections(outputs.logits, outputs.pred_boxes, outputs.order_logits, sizes, cfg.labels,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...ops.attention.deformable import deformable_sample
 from .config import BackboneConfig, PPDocLayoutV3Config
 
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -357,32 +358,6 @@ class HybridEncoder(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- decoder
-def deformable_sample(value: torch.Tensor, shapes: list[tuple[int, int]], locations: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
-    """Multi-scale deformable attention's sampling, the portable ATen kernel: per level, bilinear
-    ``grid_sample`` (zeros padding, align_corners=False) of each head's value map at its sampling
-    locations, weighted and summed over levels x points.
-
-    value [B, S, H, Dh] (S = sum of h*w), locations [B, Q, H, L, P, 2] in [0, 1] (x, y),
-    weights [B, Q, H, L, P] -> [B, Q, H*Dh]."""
-    b, _, heads, dh = value.shape
-    _, q, _, levels, points, _ = locations.shape
-    grids = 2 * locations - 1
-    per_level = value.split([h * w for h, w in shapes], dim=1)
-    sampled = []
-    for lvl, (h, w) in enumerate(shapes):
-        v = per_level[lvl].flatten(2).transpose(1, 2).reshape(b * heads, dh, h, w)
-        g = grids[:, :, :, lvl].transpose(1, 2).flatten(0, 1)                    # [B*H, Q, P, 2]
-        sampled.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False))
-    stacked = torch.stack(sampled, dim=-2).flatten(-2)                           # [B*H, Dh, Q, L*P]
-    wts = weights.transpose(1, 2).reshape(b * heads, 1, q, levels * points)
-    return (stacked * wts).sum(-1).view(b, heads * dh, q).transpose(1, 2)
-
-
-#: deformable attention kernels by backend name (the plan's choice for the detector's kind)
-DEFORMABLE_KERNELS: dict[str, Callable] = {"aten_grid_sample": deformable_sample}
-
-
 class DeformableAttention(nn.Module):
     def __init__(self, cfg: PPDocLayoutV3Config):
         super().__init__()
