@@ -159,6 +159,20 @@ def test_the_mask_outputs_when_asked_match_transformers(tiny, ours):
     assert max_err(want.out_masks, got.out_masks) <= 1e-4
 
 
+def test_bf16_runs_and_stays_close_before_the_top_k(ours, tiny):
+    """bf16 on the CPU: finite outputs in bf16, and the encoder's per-position scores (before any
+    top-k, so no index can swap) close to fp32's by cosine."""
+    path, _ = tiny
+    model32, _, cfg = ours
+    model16, _ = load_detector(str(path), dtype=torch.bfloat16, device=CPU, cfg=cfg)
+    pixels = fx.test_pixels(1)
+    with torch.no_grad():
+        a, b = model32(pixels), model16(pixels.bfloat16())
+    assert b.logits.dtype == torch.bfloat16 and torch.isfinite(b.logits).all() and torch.isfinite(b.pred_boxes).all()
+    cos = torch.nn.functional.cosine_similarity(a.enc_outputs_class.flatten(), b.enc_outputs_class.float().flatten(), 0)
+    assert cos.item() >= 0.99
+
+
 def test_the_parity_test_sees_a_wrong_kernel(tiny, ours):
     """Fault injection through the kernel seam: a deformable kernel whose sampling points are off
     by half a cell (align_corners=True) must fail parity."""
@@ -342,12 +356,12 @@ def test_the_sync_guard_fires_on_a_sync_injected_into_the_detector(tiny, monkeyp
     from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
     real = mod.mask_boxes
 
-    def syncing(mask):
+    def syncing(mask, dtype):
         if mutation == "item":
             mask.any().item()
         else:
             mask.nonzero()
-        return real(mask)
+        return real(mask, dtype)
     monkeypatch.setattr(mod, "mask_boxes", syncing)
     model = _meta_detector(tiny)
     with pytest.raises(HostSyncError), torch.inference_mode(), HostSyncGuard({"meta"}):

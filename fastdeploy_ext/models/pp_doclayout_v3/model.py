@@ -438,11 +438,11 @@ def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return torch.log(x.clamp(min=eps) / (1 - x).clamp(min=eps))
 
 
-def mask_boxes(mask: torch.Tensor) -> torch.Tensor:
+def mask_boxes(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The normalized (cx, cy, w, h) bounding box of each boolean mask [..., H, W] (all zero for
-    an empty mask): pixels x0..x1 inclusive span [x0, x1 + 1)."""
+    an empty mask), in ``dtype`` (the compute dtype, as the reference): pixels x0..x1 inclusive
+    span [x0, x1 + 1)."""
     h, w = mask.shape[-2:]
-    dtype = torch.float32
     ys = torch.arange(h, device=mask.device, dtype=dtype)[:, None].expand(h, w)
     xs = torch.arange(w, device=mask.device, dtype=dtype)[None, :].expand(h, w)
     big = torch.finfo(dtype).max
@@ -450,7 +450,7 @@ def mask_boxes(mask: torch.Tensor) -> torch.Tensor:
 
     def extent(c):
         hi = (c * fm).flatten(-2).amax(-1) + 1
-        lo = torch.where(mask, c, torch.full((), big, device=mask.device)).flatten(-2).amin(-1)
+        lo = torch.where(mask, c, torch.full((), big, device=mask.device, dtype=dtype)).flatten(-2).amin(-1)
         return lo, hi
     x0, x1 = extent(xs)
     y0, y1 = extent(ys)
@@ -543,7 +543,7 @@ class PPDocLayoutV3(nn.Module):
             # the initial boxes are the top-k queries' encoder masks' bounding boxes
             mq = self.mask_query_head(self.decoder_norm(target))
             masks = torch.bmm(mq, mask_feat.flatten(2)).view(*mq.shape[:2], *mask_feat.shape[-2:])
-            ref_unact = inverse_sigmoid(mask_boxes(masks > 0))
+            ref_unact = inverse_sigmoid(mask_boxes(masks > 0, masks.dtype))
         else:
             ref_unact = enc_coord.gather(1, topk[..., None].expand(-1, -1, 4))
         ref = ref_unact.sigmoid()
