@@ -21,6 +21,16 @@ from .test_cli import cli
 CPU = ["--device", "cpu", "--dtype", "float32"]
 
 
+def run(capsys, *args):
+    """The CLI in this process (the subprocess form is test_detect_dummy_on_the_cpu_prints_the_contract's):
+    (exit status, stdout, stderr)."""
+    from fastdeploy_ext.entrypoints.cli import main
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("detector")
@@ -64,10 +74,11 @@ def test_detect_dummy_on_the_cpu_prints_the_contract(pages):
     assert "deformable_attention" in r.stderr and "aten_grid_sample" in r.stderr      # the plan, printed
 
 
-def test_detect_on_the_tiny_checkpoint_matches_the_reference(tiny, pages):
+def test_detect_on_the_tiny_checkpoint_matches_the_reference(tiny, pages, capsys):
     path, ref = tiny
-    r = cli("detect", "--model", path, "--image", *pages, *CPU, "--json", "--threshold", "0.6")
-    got = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    rc, out, _ = run(capsys, "detect", "--model", path, "--image", *pages, *CPU, "--json", "--threshold", "0.6")
+    assert rc == 0
+    got = [json.loads(line) for line in out.strip().splitlines()]
     want = reference_detections(ref, pages, 0.6)
     assert [g["image"] for g in got] == [str(p) for p in pages]
     for g, w in zip(got, want):
@@ -76,18 +87,20 @@ def test_detect_on_the_tiny_checkpoint_matches_the_reference(tiny, pages):
         for gd, wd in zip(g["detections"], w):
             assert gd["score"] == pytest.approx(wd.score, abs=1e-5)
             assert gd["bbox"] == pytest.approx(list(wd.bbox), abs=1e-3)
-    text = cli("detect", "--model", path, "--image", pages[1], *CPU).stdout
-    assert text.startswith(f"{pages[1]}: ") and "detections" in text
+    rc, text, _ = run(capsys, "detect", "--model", path, "--image", pages[1], *CPU)
+    assert rc == 0 and text.startswith(f"{pages[1]}: ") and "detections" in text
 
 
-def test_detect_bad_inputs_are_one_line_errors(tiny, tmp_path):
+def test_detect_bad_inputs_are_one_line_errors(tiny, tmp_path, capsys):
     path, _ = tiny
     bad = tmp_path / "not_an_image.png"
     bad.write_bytes(b"not a png")
-    r = cli("detect", "--model", path, "--image", bad, *CPU, check=False)
-    assert r.returncode == 2 and "fastdeploy-ext detect: error:" in r.stderr and "not_an_image.png" in r.stderr
-    r = cli("detect", "--model", path, "--image", bad, *CPU, "--threshold", "1.5", check=False)
-    assert r.returncode == 2 and "threshold must be a score in [0, 1]" in r.stderr
+    rc, _, err = run(capsys, "detect", "--model", path, "--image", bad, *CPU)
+    assert rc == 2 and "fastdeploy-ext detect: error:" in err and "not_an_image.png" in err
+    rc, _, err = run(capsys, "detect", "--model", path, "--image", bad, *CPU, "--threshold", "1.5")
+    assert rc == 2 and "threshold must be a score in [0, 1]" in err
+    rc, _, err = run(capsys, "detect", "--model", tmp_path / "nowhere", "--image", bad, *CPU)
+    assert rc == 2 and "nowhere" in err
 
 
 def test_the_detector_api(tiny, pages):
@@ -122,11 +135,12 @@ def test_detect_on_the_emulated_metax_runner_equals_the_cpu_runner(tiny, pages):
             assert g.score == pytest.approx(c.score, abs=1e-6) and g.bbox == pytest.approx(c.bbox, abs=1e-4)
 
 
-def test_info_shows_the_detectors_plan_from_its_config(tiny):
-    r = cli("info", "--model", tiny[0], "--device", "cpu", "--json")
-    info = json.loads(r.stdout)
+def test_info_shows_the_detectors_plan_from_its_config(tiny, capsys):
+    rc, out, _ = run(capsys, "info", "--model", tiny[0], "--device", "cpu", "--json")
+    assert rc == 0
+    info = json.loads(out)
     kernels = info["plan"]["component_kernels"]
     assert [(k["component"], k["kind"], k["backend"]) for k in kernels] == [
         ("decoder.cross_attention", "deformable_attention", "aten_grid_sample")]
-    r = cli("generate", "--model", tiny[0], "--image", __file__, "--prompt", "OCR:", *CPU, check=False)
-    assert r.returncode == 2 and "pp_doclayout_v3 is a detector family" in r.stderr
+    rc, _, err = run(capsys, "generate", "--model", tiny[0], "--image", __file__, "--prompt", "OCR:", *CPU)
+    assert rc == 2 and "pp_doclayout_v3 is a detector family" in err
