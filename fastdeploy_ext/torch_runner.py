@@ -160,6 +160,8 @@ class TorchRunner(DeviceRunner):
         self.text_model = None
         self.tokenizer = None
         self.chat_template = None
+        # a detector family's model (load_detector), apart from the VLM's
+        self.detector = self.detector_family = self.detector_cfg = self.detector_report = None
 
     # ------------------------------------------------------------ model
     def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
@@ -391,7 +393,7 @@ class TorchRunner(DeviceRunner):
     def detect(self, pixel_values: torch.Tensor, sizes, *, threshold: float):
         """Detections per page ([B, 3, H, W] float pixels from the family's processor; ``sizes``
         each page's (height, width)): label, score, bbox in page pixels, in reading order."""
-        if getattr(self, "detector", None) is None:
+        if self.detector is None:
             raise RuntimeError("no detector loaded: call load_detector() first")
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
             raise ValueError(f"pixel_values must be a [B, 3, H, W] tensor, got "
@@ -411,5 +413,10 @@ class TorchRunner(DeviceRunner):
             r = self.load_report
             lines.append(f"model: {self.family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
                          f"layout {r.layout} ({r.layout_reason}); {r.tensors_loaded} tensors")
+        if self.detector is not None:
+            r = self.detector_report
+            lines.append(f"detector: {self.detector_family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
+                         f"{r.tensors_loaded} tensors ({r.tensors_ignored} unused by inference ignored); masks "
+                         f"{'on' if self.detector.with_masks else 'off'}")
         return "\n".join(lines)
 

@@ -144,3 +144,5 @@ def test_info_shows_the_detectors_plan_from_its_config(tiny, capsys):
         ("decoder.cross_attention", "deformable_attention", "aten_grid_sample")]
     rc, _, err = run(capsys, "generate", "--model", tiny[0], "--image", __file__, "--prompt", "OCR:", *CPU)
     assert rc == 2 and "pp_doclayout_v3 is a detector family" in err
+    rc, _, err = run(capsys, "encode", "--model", tiny[0], "--image", __file__, "--output", tiny[0] / "x.safetensors", *CPU)
+    assert rc == 2 and "encode needs a vlm family" in err

@@ -119,13 +119,14 @@ def cmd_encode(args) -> int:
     from safetensors.torch import save_file
 
     from ..inputs.images import ImageInputError, resolve_source
-    from ..models.interface import BatchError
+    from ..models.interface import BatchError, FamilyRole, require_role
     from ..models.registry import detect_family
     from ..runner import ImageBatch
 
     source = model_source_from_args(args)
     try:   # the family the runner will load (the same detection), for its host-side processor
         family = detect_family(source.model_dir, source.model_family).family
+        require_role(family, FamilyRole.VLM, "encode")
         processor = family.image_processor(source.model_dir)
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
