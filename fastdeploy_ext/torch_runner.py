@@ -28,7 +28,7 @@ from .device_api import DeviceAPI, device_api_for
 from .models.interface import CheckpointError, FamilyRole, ModelFamily, require_role
 from .models.registry import DEFAULT_DETECTOR_FAMILY, DEFAULT_FAMILY, detect_family, get_family
 from .ops.kernels import KernelRegistry, kernels_for
-from .plan import (CapabilityRow, Component, ComponentKind, GridSource, PlanError, PlanRequest, RunPlan,
+from .plan import (CapabilityRow, Component, ComponentKind, Decision, GridSource, PlanError, PlanRequest, RunPlan,
                    resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 
@@ -162,6 +162,7 @@ class TorchRunner(DeviceRunner):
         self.chat_template = None
         # a detector family's model (load_detector), apart from the VLM's
         self.detector = self.detector_family = self.detector_cfg = self.detector_report = None
+        self.detector_masks: Decision | None = None
 
     # ------------------------------------------------------------ model
     def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
@@ -354,11 +355,13 @@ class TorchRunner(DeviceRunner):
         return list(out.split(sizes))
 
     # ------------------------------------------------------------ detection (a DetectorFamily's model)
-    def load_detector(self, model_dir, *, load_format: str = "auto", model_family: str | None = None):
+    def load_detector(self, model_dir, *, load_format: str = "auto", model_family: str | None = None,
+                      masks: bool = False):
         """A detector family's model (config.json's model_type, ``model_family``, or the default
         detector without a directory), its plan re-resolved for the detector's components before
-        any weight is read, the deformable attention kernel the plan chose set on it. Kept apart
-        from the VLM's state: a runner may hold one of each."""
+        any weight is read, the deformable attention kernel the plan chose set on it. ``masks``:
+        compute the per-query mask outputs (off unless asked: boxes and reading order need none).
+        Kept apart from the VLM's state: a runner may hold one of each."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
         if load_format != "dummy" and model_dir is None:
@@ -380,9 +383,12 @@ class TorchRunner(DeviceRunner):
         model, report = family.load_detector(src, dtype=self.dtype, device=self.device, cfg=cfg)
         backend = self.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value
         model.set_deformable_kernel(self.kernels.get(ComponentKind.DEFORMABLE_ATTENTION, backend).sample)
+        self.detector_masks = Decision(bool(masks), "requested" if masks else
+                                       "off unless asked: boxes and reading order need no masks")
+        model.with_masks = self.detector_masks.value
         self.detector, self.detector_family, self.detector_cfg, self.detector_report = model, family, cfg, report
-        log.info("detector family %s (%s): deformable attention %s, %s on %s", family.name, choice.reason, backend,
-                 self.dtype, self.device)
+        log.info("detector family %s (%s): deformable attention %s, %s on %s; masks %s (%s)", family.name,
+                 choice.reason, backend, self.dtype, self.device, "on" if masks else "off", self.detector_masks.reason)
         return report
 
     def detect_uploaded(self, pixels: torch.Tensor):

@@ -366,3 +366,19 @@ def test_the_sync_guard_fires_on_a_sync_injected_into_the_detector(tiny, monkeyp
     model = _meta_detector(tiny)
     with pytest.raises(HostSyncError), torch.inference_mode(), HostSyncGuard({"meta"}):
         model(torch.zeros(1, 3, fx.IMAGE, fx.IMAGE, device="meta"))
+
+
+def test_masks_are_off_unless_asked_and_computed_when_asked(tiny):
+    path, ref = tiny
+    runner = _cpu_runner()
+    runner.load_detector(str(path))
+    assert runner.detector_masks.value is False and "off unless asked" in runner.detector_masks.reason
+    pixels = fx.test_pixels(1)
+    assert runner.detect_uploaded(pixels).out_masks is None
+    assert "masks off" in runner.describe()
+    runner.load_detector(str(path), masks=True)
+    assert runner.detector_masks.value is True and runner.detector_masks.reason == "requested"
+    got = runner.detect_uploaded(pixels).out_masks
+    with torch.no_grad():
+        want = ref(pixel_values=pixels).out_masks
+    assert got.shape == want.shape == (1, 20, fx.IMAGE // 4, fx.IMAGE // 4)

@@ -21,7 +21,7 @@ class Detector:
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
                  load_format: str = "auto", model_family: str | None = None,
-                 threshold: float = DEFAULT_THRESHOLD, request: PlanRequest | None = None):
+                 threshold: float = DEFAULT_THRESHOLD, request: PlanRequest | None = None, masks: bool = False):
         from ..runner import create_runner
         if model is None:
             load_format = "dummy"
@@ -29,7 +29,8 @@ class Detector:
         self.runner = create_runner(request or PlanRequest(device=device, dtype=dtype))
         if not hasattr(self.runner, "load_detector"):
             raise ValueError(f"runner {self.runner.name} has no detector path (it does not build on TorchRunner)")
-        self.load_report = self.runner.load_detector(model, load_format=load_format, model_family=model_family)
+        self.load_report = self.runner.load_detector(model, load_format=load_format, model_family=model_family,
+                                                     masks=masks)
         self.family, self.cfg = self.runner.detector_family, self.runner.detector_cfg
         self.processor = self.family.image_processor(None if load_format == "dummy" else model, self.cfg)
 
