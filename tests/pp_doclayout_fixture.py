@@ -56,6 +56,6 @@ def write_model(path, seed: int = SEED):
     return model
 
 
-def test_pixels(batch: int = 2) -> torch.Tensor:
+def sample_pixels(batch: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return (torch.randint(0, 256, (batch, 3, IMAGE, IMAGE), generator=g, dtype=torch.uint8).float() / 255)

@@ -130,7 +130,7 @@ def test_a_config_asking_for_what_is_not_built_is_refused_by_field(tiny, tmp_pat
 def test_fp32_parity_with_transformers(tiny, ours):
     _, ref = tiny
     model, _, cfg = ours
-    pixels = fx.test_pixels()
+    pixels = fx.sample_pixels()
     with torch.no_grad():
         want = ref(pixel_values=pixels)
         got = model(pixels)
@@ -148,7 +148,7 @@ def test_fp32_parity_with_transformers(tiny, ours):
 def test_the_mask_outputs_when_asked_match_transformers(tiny, ours):
     _, ref = tiny
     model, _, _ = ours
-    pixels = fx.test_pixels(1)
+    pixels = fx.sample_pixels(1)
     model.with_masks = True
     try:
         with torch.no_grad():
@@ -165,7 +165,7 @@ def test_bf16_runs_and_stays_close_before_the_top_k(ours, tiny):
     path, _ = tiny
     model32, _, cfg = ours
     model16, _ = load_detector(str(path), dtype=torch.bfloat16, device=CPU, cfg=cfg)
-    pixels = fx.test_pixels(1)
+    pixels = fx.sample_pixels(1)
     with torch.no_grad():
         a, b = model32(pixels), model16(pixels.bfloat16())
     assert b.logits.dtype == torch.bfloat16 and torch.isfinite(b.logits).all() and torch.isfinite(b.pred_boxes).all()
@@ -188,7 +188,7 @@ def test_the_parity_test_sees_a_wrong_kernel(tiny, ours):
             return deformable_sample(value, shapes, locations, weights)
         finally:
             F.grid_sample = real
-    pixels = fx.test_pixels(1)
+    pixels = fx.sample_pixels(1)
     model.set_deformable_kernel(shifted)
     try:
         with torch.no_grad():
@@ -223,19 +223,23 @@ def _bicubic_reference(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
                 m[r, idx[r, c]] += w[r, c]
         return m
     mh, mw = axis(img.shape[1], out_h), axis(img.shape[2], out_w)
-    out = np.einsum("oh,chw,pw->cop", mh, img.astype(np.float64), mw)
+    out = mh @ img.astype(np.float64) @ mw.T            # rows, then columns, per channel
     return np.clip(np.round(out), 0, 255)
 
 
-@pytest.mark.parametrize("src_hw,dst_hw", [((9, 13), (16, 16)), ((40, 30), (16, 16)), ((16, 16), (16, 16))])
+@pytest.mark.parametrize("src_hw,dst_hw", [((9, 13), (16, 16)), ((40, 30), (16, 16)), ((16, 16), (16, 16)),
+                                            ((300, 200), (800, 800))])
 def test_the_resize_matches_an_independent_bicubic(src_hw, dst_hw):
     g = np.random.default_rng(5)
     img = g.integers(0, 256, (3, *src_hw), dtype=np.uint8)
     got = resize_uint8(torch.from_numpy(img), *dst_hw).numpy()
     want = _bicubic_reference(img, *dst_hw)
-    # float32 vs float64 may land a value on the other side of .5: at most 1 level, rarely
+    # float32 vs float64 may land a value on the other side of .5: at most 1 level, rarely (a
+    # page-sized upscale: ~6 in a million values; the small cases: none)
     diff = np.abs(got - want)
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-4
+    if max(src_hw) < 100:
+        assert diff.max() == 0
     assert got.dtype == np.float32 and np.all(got == np.round(got))
 
 
@@ -305,7 +309,7 @@ def test_the_runner_runs_the_detector_on_the_plans_device(tiny, ours):
     assert report.tensors_loaded == ours[1].tensors_loaded
     assert runner.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value == "aten_grid_sample"
     assert [c.name for c in runner.plan.components] == ["decoder.cross_attention"]
-    pixels = fx.test_pixels()
+    pixels = fx.sample_pixels()
     sizes = [(300, 200), (128, 128)]
     got = runner.detect(pixels, sizes, threshold=0.5)
     with torch.no_grad():
@@ -373,7 +377,7 @@ def test_masks_are_off_unless_asked_and_computed_when_asked(tiny):
     runner = _cpu_runner()
     runner.load_detector(str(path))
     assert runner.detector_masks.value is False and "off unless asked" in runner.detector_masks.reason
-    pixels = fx.test_pixels(1)
+    pixels = fx.sample_pixels(1)
     assert runner.detect_uploaded(pixels).out_masks is None
     assert "masks off" in runner.describe()
     runner.load_detector(str(path), masks=True)
