@@ -12,6 +12,9 @@ def __getattr__(name):
     if name == "LLM":
         from .entrypoints.llm import LLM
         return LLM
+    if name == "Detector":
+        from .entrypoints.detector import Detector
+        return Detector
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams

@@ -25,10 +25,10 @@ from .engine.step import KVCacheSpec, StepBatch
 from .fallbacks import fallback_notes
 from .capabilities import capability_table
 from .device_api import DeviceAPI, device_api_for
-from .models.interface import CheckpointError, ModelFamily
-from .models.registry import DEFAULT_FAMILY, detect_family, get_family
+from .models.interface import CheckpointError, FamilyRole, ModelFamily, require_role
+from .models.registry import DEFAULT_DETECTOR_FAMILY, DEFAULT_FAMILY, detect_family, get_family
 from .ops.kernels import KernelRegistry, kernels_for
-from .plan import (CapabilityRow, Component, ComponentKind, GridSource, PlanError, PlanRequest, RunPlan,
+from .plan import (CapabilityRow, Component, ComponentKind, Decision, GridSource, PlanError, PlanRequest, RunPlan,
                    resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 
@@ -125,7 +125,10 @@ class TorchRunner(DeviceRunner):
             plan = resolve_for_components(row, request, components, device=str(device),
                                           kernels=kernels.vision_facts(device),
                                           emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
-                                          text_available=kernels.paged_availability(device))
+                                          text_available=kernels.paged_availability(device),
+                                          deformable_available={
+                                              n: b.available(device) for n, b in
+                                              kernels.backends(ComponentKind.DEFORMABLE_ATTENTION).items()})
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
@@ -160,6 +163,9 @@ class TorchRunner(DeviceRunner):
         self.text_model = None
         self.tokenizer = None
         self.chat_template = None
+        # a detector family's model (load_detector), apart from the VLM's
+        self.detector = self.detector_family = self.detector_cfg = self.detector_report = None
+        self.detector_masks: Decision | None = None
 
     # ------------------------------------------------------------ model
     def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
@@ -178,6 +184,7 @@ class TorchRunner(DeviceRunner):
             raise CheckpointError(f"{src}: model directory does not exist")
         choice = detect_family(src, model_family)
         family = choice.family
+        require_role(family, FamilyRole.VLM, "load_model (encode, generate, serve)")
         cfg = family.default_config() if src is None else family.read_config(src)
         self._plan_for_model(family, cfg)
         log.info("model family %s (%s)", family.name, choice.reason)
@@ -217,6 +224,9 @@ class TorchRunner(DeviceRunner):
         return self.plan
 
     def _set_execution(self) -> None:
+        if self.family.role is not FamilyRole.VLM:
+            self.execution = None       # a detector's kernel is set on its model (load_detector)
+            return
         name = self.plan.attention.value        # None: the model has no vision varlen attention
         attention = None if name is None else self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, name)
         self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
@@ -347,6 +357,64 @@ class TorchRunner(DeviceRunner):
                 sizes = meta.out_split_sizes
         return list(out.split(sizes))
 
+    # ------------------------------------------------------------ detection (a DetectorFamily's model)
+    def load_detector(self, model_dir, *, load_format: str = "auto", model_family: str | None = None,
+                      masks: bool = False):
+        """A detector family's model (config.json's model_type, ``model_family``, or the default
+        detector without a directory), its plan re-resolved for the detector's components before
+        any weight is read, the deformable attention kernel the plan chose set on it. ``masks``:
+        compute the per-query mask outputs (off unless asked: boxes and reading order need none).
+        Kept apart from the VLM's state: a runner may hold one of each."""
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
+        if load_format != "dummy" and model_dir is None:
+            raise ValueError("a model directory is needed unless --load-format dummy")
+        src = None if load_format == "dummy" else model_dir
+        if src is not None and not Path(src).is_dir():
+            raise CheckpointError(f"{src}: model directory does not exist")
+        choice = detect_family(src, model_family or (DEFAULT_DETECTOR_FAMILY if src is None else None))
+        family = choice.family
+        require_role(family, FamilyRole.DETECTOR, "load_detector (detect)")
+        cfg = family.default_config() if src is None else family.read_config(src)
+        components = family.components(cfg)
+        if self._replan is not None:
+            self.plan = self._replan(components)
+        else:
+            self._check_head_dim(components)
+            self.plan = dataclasses.replace(self.plan, components=components)
+        self.dtype = DTYPE_BY_NAME[self.plan.dtype.value]
+        model, report = family.load_detector(src, dtype=self.dtype, device=self.device, cfg=cfg)
+        backend = self.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value
+        model.set_deformable_kernel(self.kernels.get(ComponentKind.DEFORMABLE_ATTENTION, backend).sample)
+        self.detector_masks = Decision(bool(masks), "requested" if masks else
+                                       "off unless asked: boxes and reading order need no masks")
+        model.with_masks = self.detector_masks.value
+        self.detector, self.detector_family, self.detector_cfg, self.detector_report = model, family, cfg, report
+        log.info("detector family %s (%s): deformable attention %s, %s on %s; masks %s (%s)", family.name,
+                 choice.reason, backend, self.dtype, self.device, "on" if masks else "off", self.detector_masks.reason)
+        return report
+
+    def detect_uploaded(self, pixels: torch.Tensor):
+        """The detector's raw outputs for pixels already on the device in the compute dtype."""
+        with torch.inference_mode():
+            return self.detector(pixels)
+
+    def detect(self, pixel_values: torch.Tensor, sizes, *, threshold: float):
+        """Detections per page ([B, 3, H, W] float pixels from the family's processor; ``sizes``
+        each page's (height, width)): label, score, bbox in page pixels, in reading order."""
+        if self.detector is None:
+            raise RuntimeError("no detector loaded: call load_detector() first")
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
+            raise ValueError(f"pixel_values must be a [B, 3, H, W] tensor, got "
+                             f"{list(getattr(pixel_values, 'shape', [])) or type(pixel_values).__name__}")
+        if len(sizes) != pixel_values.shape[0]:
+            raise ValueError(f"{pixel_values.shape[0]} images but {len(sizes)} page sizes")
+        pv = pixel_values
+        if pv.device != self.device and pv.device.type == "cpu":
+            pv = self.device_api.pin(pv)
+        out = self.detect_uploaded(pv.to(self.device, non_blocking=True).to(self.dtype))
+        return self.detector_family.postprocess(self.detector_cfg, out, sizes, threshold=threshold)
+
     # ------------------------------------------------------------ reporting
     def describe(self) -> str:
         lines = [f"runner: {self.name}", f"probe: {self.probe_result.summary()}", self.plan.describe()]
@@ -354,5 +422,10 @@ class TorchRunner(DeviceRunner):
             r = self.load_report
             lines.append(f"model: {self.family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
                          f"layout {r.layout} ({r.layout_reason}); {r.tensors_loaded} tensors")
+        if self.detector is not None:
+            r = self.detector_report
+            lines.append(f"detector: {self.detector_family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
+                         f"{r.tensors_loaded} tensors ({r.tensors_ignored} unused by inference ignored); masks "
+                         f"{'on' if self.detector.with_masks else 'off'}")
         return "\n".join(lines)
 

@@ -32,6 +32,7 @@ COVERED_ELSEWHERE = {
     "generate": "tests/test_cli_generate.py (and test_generate_images_globs_dirs_sources here)",
     "serve": "tests/test_serve_dummy.py, tests/test_server.py",
     "bench serve": "tests/test_bench_serve.py (own server and --base-url)",
+    "detect": "tests/test_cli_detect.py",
 }
 SMOKED_HERE = {"bench vision", "bench gemm", "bench generate", "bench preprocess", "bench attention", "bench layers"}
 

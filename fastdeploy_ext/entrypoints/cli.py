@@ -1,4 +1,4 @@
-"""`fastdeploy-ext` command line: info, encode, bench (the shared flags live in args.py).
+"""`fastdeploy-ext` command line: info, encode, detect, bench (the shared flags live in args.py).
 
 The forms of DESIGN.md section 5 are a contract used by tests outside this repository: flags
 keep their names and meaning; new flags may be added.
@@ -119,13 +119,14 @@ def cmd_encode(args) -> int:
     from safetensors.torch import save_file
 
     from ..inputs.images import ImageInputError, resolve_source
-    from ..models.interface import BatchError
+    from ..models.interface import BatchError, FamilyRole, require_role
     from ..models.registry import detect_family
     from ..runner import ImageBatch
 
     source = model_source_from_args(args)
     try:   # the family the runner will load (the same detection), for its host-side processor
         family = detect_family(source.model_dir, source.model_family).family
+        require_role(family, FamilyRole.VLM, "encode")
         processor = family.image_processor(source.model_dir)
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
@@ -232,6 +233,38 @@ def cmd_bench_generate(args) -> int:
         raise CliError(str(e)) from None
 
 
+# ------------------------------------------------------------------------ detect
+def cmd_detect(args) -> int:
+    """Layout detections per image: label, score, bbox in the image's pixels, in reading order."""
+    from ..inputs.images import ImageInputError, resolve_source
+    from ..models.interface import CheckpointError
+    from .detector import Detector
+    source = model_source_from_args(args)
+    paths = expand_image_args(args.image)
+    try:
+        detector = Detector(source.model_dir, load_format=source.load_format, model_family=source.model_family,
+                            threshold=args.threshold, request=plan_request_from_args(args))
+    except (CheckpointError, PlanError, FileNotFoundError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+    for line in detector.runner.describe().splitlines():
+        log.info("%s", line)
+    labels = [source_label(p) for p in paths]
+    t0 = time.perf_counter()
+    try:
+        results = detector.detect([resolve_source(p, lb) for p, lb in zip(paths, labels)])
+    except (ImageInputError, ValueError) as e:
+        raise CliError(str(e)) from None
+    log.info("detected %d pages in %.1f ms", len(paths), (time.perf_counter() - t0) * 1000)
+    for label, dets in zip(labels, results):
+        if args.json:
+            print(json.dumps({"image": label, "detections": [d.to_json() for d in dets]}))
+        else:
+            print(f"{label}: {len(dets)} detections")
+            for d in dets:
+                print(f"  {d.label:<18} {d.score:.3f} [{', '.join(f'{v:.1f}' for v in d.bbox)}]")
+    return 0
+
+
 def build_parser():
     p = root_parser("fastdeploy-ext", "Fast OCR VLM inference (PaddleOCR-VL)")
     p.add_argument("--version", action="version", version=f"fastdeploy-ext {__version__}")
@@ -268,6 +301,18 @@ def build_parser():
     add_runner_args(gen, model=False)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    det = command_parser(sub, "detect", "layout detection (PP-DocLayoutV3): per image its boxes with label and "
+                                        "score, in reading order")
+    add_model_args(det)
+    det.add_argument("--image", action="extend", nargs="+", required=True, metavar="PATH",
+                     help="image files, globs and directories (their images, sorted)")
+    det.add_argument("--threshold", type=float, default=0.5,
+                     help="score threshold (default 0.5, transformers'; PaddleX's PaddleOCR-VL-1.5 pipeline uses 0.3)")
+    det.add_argument("--json", action="store_true",
+                     help='one JSON object per image: {"image", "detections": [{"label", "score", "bbox"}]}')
+    add_runner_args(det, model=False)
+    det.set_defaults(func=cmd_detect)
 
     bench = command_parser(sub, "bench", "benchmarks: ours vs the transformers reference, as ratios")
     bsub = bench.add_subparsers(dest="bench_target", required=True)

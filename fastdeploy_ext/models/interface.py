@@ -7,12 +7,17 @@ captured graph budget means, and the components the plan chooses kernels for. Th
 these hooks and import no family; families register through the entry-point group
 ``fastdeploy_ext.models`` (models/registry.py), the built-in ones exactly as out-of-tree ones.
 
+The interface is split by role: :class:`Family` holds what every family supplies (identity,
+configs, components, conformance); :class:`ModelFamily` (also named :data:`VLMFamily`) adds a
+VLM's hooks, :class:`DetectorFamily` a detector's. The registry lists both roles.
+
 The interface is deliberately narrow (as vLLM's ``platforms/interface.py`` is for devices):
 a hook exists because a runner calls it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
 import torch
@@ -59,12 +64,25 @@ class GraphBuffers(Protocol):
         """Rows of encoder output that ``num_tokens`` input patches produce."""
 
 
-class ModelFamily(ABC):
-    """One model family. Stateless: configs and modules are passed in, never kept."""
+class FamilyRole(str, Enum):
+    """What kind of model a family holds: which runner path and which commands serve it."""
+    VLM = "vlm"                  # vision encoder + text decoder + prompt: encode, generate, serve
+    DETECTOR = "detector"        # an image -> boxes model: detect (the layout stage of parsing)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Family(ABC):
+    """What every family supplies, whatever its role: registry identity, configs, the
+    components the plan picks kernels for and the conformance hook. Stateless: configs and
+    modules are passed in, never kept. A family subclasses one role: :class:`ModelFamily` (a
+    VLM) or :class:`DetectorFamily`."""
 
     name: ClassVar[str]
     #: config.json ``model_type`` values this family loads (detection, models/registry.py)
     model_types: ClassVar[tuple[str, ...]]
+    role: ClassVar[FamilyRole]
 
     # ------------------------------------------------------------------ config
     @abstractmethod
@@ -78,6 +96,26 @@ class ModelFamily(ABC):
     @abstractmethod
     def components(self, cfg: Any) -> tuple[Component, ...]:
         """What the plan chooses kernels for, each with its kernel kind and facts."""
+
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir: str) -> "ConformanceFixture | None":
+        """The family's tiny models and references for the conformance suite
+        (``--fdx-family NAME``; conformance/family_fixture.py), built into ``workdir`` or shipped.
+        None: the family has none, and the suite says so instead of running."""
+        return None
+
+
+def require_role(family: Family, role: FamilyRole, what: str) -> None:
+    """A clear error when ``what`` (a command, a runner path) is asked of a family of another role."""
+    if family.role is not role:
+        raise ValueError(f"model family {family.name} is a {family.role} family; {what} needs a {role} family")
+
+
+class ModelFamily(Family):
+    """A VLM family (vision encoder + projector, text decoder, prompt builder): the hooks the
+    encoder, the engine and the server call. The name predates the role split and is kept."""
+
+    role: ClassVar[FamilyRole] = FamilyRole.VLM
 
     # ------------------------------------------------------------------ loading
     @abstractmethod
@@ -186,9 +224,37 @@ class ModelFamily(ABC):
         """The chat template used when a model directory ships none."""
         raise NotImplementedError(f"model family {self.name}: no default chat template")
 
-    # ------------------------------------------------------------------ conformance
-    def conformance_fixture(self, workdir: str) -> "ConformanceFixture | None":
-        """The family's tiny models and references for the conformance suite
-        (``--fdx-family NAME``; conformance/family_fixture.py), built into ``workdir`` or shipped.
-        None: the family has none, and the suite says so instead of running."""
-        return None
+
+
+#: the role's own name for the VLM interface
+VLMFamily = ModelFamily
+
+
+class DetectorFamily(Family):
+    """An image -> detections family (the layout detectors): a fixed-size input, one forward
+    per batch of pages, a host-side post-processing. The runner loads the module with
+    ``load_detector`` and runs it on pixels from ``image_processor``; ``postprocess`` turns its
+    outputs into detections in page pixels, in reading order."""
+
+    role: ClassVar[FamilyRole] = FamilyRole.DETECTOR
+
+    @abstractmethod
+    def load_detector(self, model_dir: str | None, *, dtype: torch.dtype, device: torch.device,
+                      cfg: Any) -> tuple[torch.nn.Module, Any]:
+        """The detector module (random weights when ``model_dir`` is None) and its LoadReport
+        (model_dir, files, tensors_loaded)."""
+
+    @abstractmethod
+    def image_processor(self, model_dir: str | None, cfg: Any) -> Any:
+        """The host-side preprocessor: ``preprocess(images) -> (pixel_values [B, 3, H, W] float32,
+        original sizes [(height, width), ...])``."""
+
+    @abstractmethod
+    def label_names(self, cfg: Any) -> tuple[str, ...]:
+        """The class names, by class id."""
+
+    @abstractmethod
+    def postprocess(self, cfg: Any, outputs: Any, sizes: Sequence[tuple[int, int]], *,
+                    threshold: float) -> list[list[Any]]:
+        """Per image, its detections above ``threshold`` (label, score, bbox [x0, y0, x1, y1] in
+        the image's pixels), in reading order."""

@@ -1,4 +1,4 @@
-"""The model-family registry: name -> ModelFamily, and which family a model directory holds.
+"""The model-family registry: name -> Family (a VLM's ModelFamily or a DetectorFamily), and which family a model directory holds.
 
 Families register under the entry-point group ``fastdeploy_ext.models`` (setup.py registers the
 built-in ``paddleocr_vl`` there, exactly as an out-of-tree family registers in its own
@@ -16,18 +16,20 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
-from .interface import ModelFamily
+from .interface import Family
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "fastdeploy_ext.models"
 DEFAULT_FAMILY = "paddleocr_vl"      # dummy weights and `info` without a model
-BUILTIN_FAMILIES = {"paddleocr_vl": "fastdeploy_ext.models.paddleocr_vl.family:PaddleOCRVLFamily"}
+DEFAULT_DETECTOR_FAMILY = "pp_doclayout_v3"      # `detect --load-format dummy`
+BUILTIN_FAMILIES = {"paddleocr_vl": "fastdeploy_ext.models.paddleocr_vl.family:PaddleOCRVLFamily",
+                    "pp_doclayout_v3": "fastdeploy_ext.models.pp_doclayout_v3.family:PPDocLayoutV3Family"}
 
-_REGISTRY: dict[str, type[ModelFamily]] = {}
+_REGISTRY: dict[str, type[Family]] = {}
 
 
-def register_family(name: str, cls: type[ModelFamily]) -> None:
+def register_family(name: str, cls: type[Family]) -> None:
     """For tests and embedding; installed families use the entry-point group instead."""
     _REGISTRY[name] = cls
 
@@ -38,7 +40,7 @@ def _entry_points() -> dict[str, EntryPoint]:
     return eps
 
 
-def available_families() -> dict[str, type[ModelFamily]]:
+def available_families() -> dict[str, type[Family]]:
     for name, ep in _entry_points().items():
         if name in _REGISTRY:
             continue
@@ -49,7 +51,7 @@ def available_families() -> dict[str, type[ModelFamily]]:
     return dict(_REGISTRY)
 
 
-def get_family(name: str) -> ModelFamily:
+def get_family(name: str) -> Family:
     families = available_families()
     if name not in families:
         raise ValueError(f"unknown model family {name!r}; registered: {', '.join(sorted(families)) or 'none'} "
@@ -59,11 +61,11 @@ def get_family(name: str) -> ModelFamily:
 
 @dataclass(frozen=True)
 class FamilyChoice:
-    family: ModelFamily
+    family: Family
     reason: str
 
 
-def _known(families: dict[str, type[ModelFamily]]) -> str:
+def _known(families: dict[str, type[Family]]) -> str:
     return "; ".join(f"{n} (model_type {', '.join(c.model_types)})" for n, c in sorted(families.items()))
 
 

@@ -85,10 +85,12 @@ class KernelRegistry:
 @functools.cache
 def builtin_kernels() -> KernelRegistry:
     """The framework's own backends (built once: the registry is immutable)."""
+    from .attention.deformable import BUILTIN_DEFORMABLE_BACKENDS
     from .attention.paged import BUILTIN_PAGED_BACKENDS
     from .attention.varlen import BUILTIN_VARLEN_BACKENDS
     return KernelRegistry({ComponentKind.VISION_VARLEN_ATTENTION: {b.name: b for b in BUILTIN_VARLEN_BACKENDS},
-                           ComponentKind.PAGED_DECODER_ATTENTION: {b.name: b for b in BUILTIN_PAGED_BACKENDS}})
+                           ComponentKind.PAGED_DECODER_ATTENTION: {b.name: b for b in BUILTIN_PAGED_BACKENDS},
+                           ComponentKind.DEFORMABLE_ATTENTION: {b.name: b for b in BUILTIN_DEFORMABLE_BACKENDS}})
 
 
 def kernels_for(runner_cls) -> KernelRegistry:

@@ -19,12 +19,13 @@ from .kinds import (AUTO, DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, Component
 from .paged_attention import resolve_paged_attention
 from .request import PlanRequest, RunPlan
 from .resolve import KIND_RESOLVERS, resolve_for_components, resolve_plan
+from .deformable_attention import BUILTIN_DEFORMABLE, resolve_deformable_attention
 from .table import (DEFAULT_KV_BLOCK_SIZE, DEFAULT_TEXT_ATTENTION, ENTRY_PARSERS, LEGACY_KEYS, AttentionEntry,
-                    CapabilityRow, KernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
+                    CapabilityRow, DeformableAttentionEntry, KernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
 from .vision_attention import VisionKernels, resolve_vision_attention
 
 __all__ = [
-    "AUTO", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",
+    "AUTO", "BUILTIN_DEFORMABLE", "DeformableAttentionEntry", "resolve_deformable_attention", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",
     "ComponentKind", "DEFAULT_CAPTURE_SIZES", "DEFAULT_GRAPH_PATHS", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_TEXT_ATTENTION",
     "Decision", "ENTRY_PARSERS", "EncoderGraphPath", "GraphOptimizationConfig", "GridSource", "KIND_RESOLVERS",
     "KernelChoice", "KernelEntry", "KernelFacts", "KindContext", "LEGACY_KEYS", "PlanError", "PlanRequest",

@@ -63,6 +63,7 @@ class ComponentKind(_Choice):
     member here, an entry parser (plan/table.py) and a resolver (plan/resolve.py)."""
     VISION_VARLEN_ATTENTION = "vision_varlen_attention"     # packed variable-length images, no cache
     PAGED_DECODER_ATTENTION = "paged_decoder_attention"     # the decoder over the paged KV cache
+    DEFORMABLE_ATTENTION = "deformable_attention"           # a detector's multi-scale deformable sampling
 
 
 @dataclass(frozen=True)

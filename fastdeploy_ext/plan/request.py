@@ -62,11 +62,13 @@ class RunPlan:
     graph_split_oversize: bool = False
 
     components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
+    deformable_attention: Decision = Decision(None, "the model has no deformable attention")
 
     #: the decision holding each kernel kind's backend (a new kind adds its field and an entry)
     KERNEL_FIELD: ClassVar[dict[ComponentKind, str]] = {
         ComponentKind.VISION_VARLEN_ATTENTION: "attention",
         ComponentKind.PAGED_DECODER_ATTENTION: "text_attention",
+        ComponentKind.DEFORMABLE_ATTENTION: "deformable_attention",
     }
 
     @property

@@ -13,6 +13,7 @@ from .choice import KernelChoice, KindContext
 from .decisions import (resolve_decode_graphs, resolve_dtype, resolve_encoder_graphs, resolve_fused_layers,
                         resolve_grid_source, resolve_qkv_layout)
 from .kinds import Component, ComponentKind, Decision, PlanError, components_by_kind
+from .deformable_attention import BUILTIN_DEFORMABLE, resolve_deformable_attention
 from .paged_attention import resolve_paged_attention
 from .request import PlanRequest, RunPlan
 from .table import CapabilityRow, KernelFacts
@@ -22,6 +23,7 @@ from .vision_attention import VisionKernels, resolve_vision_attention
 KIND_RESOLVERS: dict[ComponentKind, Callable[[KindContext], KernelChoice]] = {
     ComponentKind.VISION_VARLEN_ATTENTION: resolve_vision_attention,
     ComponentKind.PAGED_DECODER_ATTENTION: resolve_paged_attention,
+    ComponentKind.DEFORMABLE_ATTENTION: resolve_deformable_attention,
 }
 
 
@@ -43,13 +45,16 @@ def _paged_availability(device: str) -> dict[str, tuple[bool, str]]:
 def resolve_for_components(row: CapabilityRow, request: PlanRequest, components: Sequence[Component], *,
                            device: str, kernels: Mapping[str, KernelFacts], emulated: bool = False,
                            row_reason: str = "", text_available: Mapping[str, tuple[bool, str]] | None = None,
-                           consumers_needing_dense: tuple[str, ...] = ()) -> RunPlan:
+                           consumers_needing_dense: tuple[str, ...] = (),
+                           deformable_available: Mapping[str, tuple[bool, str]] | None = None) -> RunPlan:
     """The plan for a model's declared components. ``kernels``: vision attention backend name ->
     its facts and presence on this device (the backend objects': KernelRegistry.facts); a
     listed backend missing there is unavailable. ``text_available`` the same for the paged
     decoder backends, (present, reason) each (None: probe the built-ins on ``device``).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
-    contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout."""
+    contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout.
+    ``deformable_available``: the deformable attention backends, (present, reason) each (None:
+    the built-in ATen one)."""
     request.validate()
     notes: list[str] = [f"row {row.name}: {row_reason}"] if row_reason else []
     by_kind = components_by_kind(components)
@@ -63,11 +68,14 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
         ComponentKind.VISION_VARLEN_ATTENTION: kernels,
         ComponentKind.PAGED_DECODER_ATTENTION: _paged_availability(device) if text_available is None
         else text_available,
+        ComponentKind.DEFORMABLE_ATTENTION: BUILTIN_DEFORMABLE if deformable_available is None
+        else deformable_available,
     }
     chosen = {kind: resolve(KindContext(row, kind, by_kind[kind], request, dtype.value, available[kind], notes))
               for kind, resolve in KIND_RESOLVERS.items() if kind in by_kind}
     vision = chosen.get(ComponentKind.VISION_VARLEN_ATTENTION)
     text = chosen.get(ComponentKind.PAGED_DECODER_ATTENTION)
+    deformable = chosen.get(ComponentKind.DEFORMABLE_ATTENTION)
     vision_component = by_kind.get(ComponentKind.VISION_VARLEN_ATTENTION)
     vk = VisionKernels(row, kernels, vision_component.head_dim if vision_component else 0, dtype.value)
     qkv = resolve_qkv_layout(vk, vision, request.qkv_layout, consumers_needing_dense)
@@ -81,6 +89,8 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                    text_attention=text.decision if text else Decision(None, "the model has no paged decoder attention"),
                    kv_block_size=Decision(row.kv_block_size, f"row {row.name}"),
                    decode_graphs=resolve_decode_graphs(row, gc, text), notes=tuple(notes),
+                   deformable_attention=deformable.decision if deformable
+                   else Decision(None, "the model has no deformable attention"),
                    graph_split_oversize=gc.encoder_split_oversize_batches, components=tuple(components))
 
 

@@ -47,7 +47,15 @@ class TextAttentionEntry:
     graph_safe: bool = False      # its decode can be captured in a CUDA graph
 
 
-KernelEntry = Union[AttentionEntry, TextAttentionEntry]
+@dataclass(frozen=True)
+class DeformableAttentionEntry:
+    """A multi-scale deformable attention backend of a row (a detector's cross-attention:
+    bilinear sampling of per-level value maps at predicted points)."""
+    backend: str
+    dtypes: tuple[str, ...]
+
+
+KernelEntry = Union[AttentionEntry, TextAttentionEntry, DeformableAttentionEntry]
 
 
 def _vision_entry(row: str, a: dict) -> AttentionEntry:
@@ -68,10 +76,19 @@ def _paged_entry(row: str, a: dict) -> TextAttentionEntry:
     return TextAttentionEntry(a["backend"], tuple(a["head_dims"]), tuple(a["dtypes"]), bool(a.get("graph_safe", False)))
 
 
+def _deformable_entry(row: str, a: dict) -> DeformableAttentionEntry:
+    unknown = set(a) - {"backend", "dtypes"}
+    if unknown:
+        raise ValueError(f"row {row}: {ComponentKind.DEFORMABLE_ATTENTION} entry {a.get('backend')!r} has unknown "
+                         f"keys {sorted(unknown)} (known: backend, dtypes)")
+    return DeformableAttentionEntry(a["backend"], tuple(a["dtypes"]))
+
+
 #: how a row's entry of each kind is read (a new kind adds its parser here)
 ENTRY_PARSERS: dict[ComponentKind, Callable[[str, dict], KernelEntry]] = {
     ComponentKind.VISION_VARLEN_ATTENTION: _vision_entry,
     ComponentKind.PAGED_DECODER_ATTENTION: _paged_entry,
+    ComponentKind.DEFORMABLE_ATTENTION: _deformable_entry,
 }
 
 #: the keys rows used before ``kernels:``, and the kind each one lists

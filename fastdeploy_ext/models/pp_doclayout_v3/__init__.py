@@ -1,0 +1,1 @@
+"""PP-DocLayoutV3, the layout detector: a DetectorFamily (family.py)."""

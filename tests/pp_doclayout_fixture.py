@@ -1,0 +1,61 @@
+"""A tiny random PP-DocLayoutV3 built by transformers (tests/test_pp_doclayout_v3.py, the CLI
+tests): every weight drawn from one seed so that nothing is degenerate (transformers' init
+zeroes the deformable attention's projections and gives BatchNorm weights of ~0.01), saved
+with ``save_pretrained``."""
+from __future__ import annotations
+
+import torch
+
+#: the tiny architecture: HGNetV2 with 4 one-block stages, d_model 32, 2 heads, 2 decoder
+#: layers, 20 queries, the 25 released classes
+BACKBONE = dict(model_type="hgnet_v2", arch="L", stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 32, 64],
+                stage_mid_channels=[8, 8, 16, 16], stage_out_channels=[16, 32, 64, 128], stage_num_blocks=[1, 1, 2, 1],
+                stage_downsample=[False, True, True, True], stage_light_block=[False, False, True, True],
+                stage_kernel_size=[3, 3, 5, 5], stage_numb_of_layers=[2, 2, 2, 2], hidden_sizes=[16, 32, 64, 128],
+                out_features=["stage1", "stage2", "stage3", "stage4"])
+TINY = dict(encoder_in_channels=[32, 64, 128], encoder_hidden_dim=32, d_model=32, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, decoder_layers=2,
+            num_queries=20, decoder_in_channels=[32, 32, 32], x4_feat_dim=16, mask_feature_channels=[16, 16],
+            num_prototypes=8, global_pointer_head_size=16)
+#: the weights' seed: chosen so that the encoder's k-th and k+1-th query scores of the test
+#: pixels differ by >= 1e-3 (the test asserts it), so that fp32 rounding cannot swap the top-k
+SEED = 3
+IMAGE = 128       # the tiny model's input side (the processor's size in preprocessor_config.json)
+
+
+def build_reference(seed: int = SEED):
+    from transformers import PPDocLayoutV3Config, PPDocLayoutV3ForObjectDetection
+    from fastdeploy_ext.models.pp_doclayout_v3.config import RELEASED_LABELS
+    cfg = PPDocLayoutV3Config(backbone_config=dict(BACKBONE), id2label=dict(enumerate(RELEASED_LABELS)), **TINY)
+    torch.manual_seed(seed)
+    model = PPDocLayoutV3ForObjectDetection(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.state_dict(keep_vars=True).items()):
+            if name.endswith("num_batches_tracked"):
+                continue
+            if name.endswith("running_var"):
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            elif name.endswith("running_mean") or name.endswith(".bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+            elif t.ndim == 1:           # norm weights
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            else:
+                fan_in = t[0].numel()
+                t.copy_(torch.randn(t.shape, generator=g) / fan_in ** 0.5)
+    return model
+
+
+def write_model(path, seed: int = SEED):
+    import json
+    model = build_reference(seed)
+    model.save_pretrained(str(path))
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": IMAGE, "width": IMAGE}, "do_resize": True, "do_rescale": True,
+         "rescale_factor": 1 / 255, "image_mean": [0, 0, 0], "image_std": [1, 1, 1]}))
+    return model
+
+
+def sample_pixels(batch: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return (torch.randint(0, 256, (batch, 3, IMAGE, IMAGE), generator=g, dtype=torch.uint8).float() / 255)
