@@ -57,3 +57,22 @@ def forced_entry(row: CapabilityRow, entries, requested: str, what: str,
     if why:
         raise PlanError(f"row {row.name}: {what} {requested} cannot run here: {why}")
     return e
+
+
+def first_usable(ctx: KindContext, usable: Callable[[Any], str | None], what: str, order: str) -> KernelChoice:
+    """The entry a kind with one kernel per step resolves to: the backend the user forced (a
+    PlanError when the row lacks it or it cannot run), else the first of the row's preference
+    order that ``usable`` accepts (None, or why not); each skipped one is noted as a fallback."""
+    row, entries = ctx.row, ctx.entries
+    if ctx.forced is not None:
+        e = forced_entry(row, entries, ctx.forced, f"{what} backend", usable)
+        return KernelChoice(e, Decision(e.backend, "requested"))
+    skipped = []
+    for e in entries:
+        why = usable(e)
+        if why is None:
+            reason = f"first usable in row {row.name} {order} preference order"
+            return KernelChoice(e, Decision(e.backend, reason + (f" (skipped {'; '.join(skipped)})" if skipped else "")))
+        skipped.append(f"{e.backend}: {why}")
+        ctx.notes.append(f"{what} {e.backend} skipped: {why}; falling back")
+    raise PlanError(f"row {row.name}: no {what} backend can run here ({'; '.join(skipped)})")
