@@ -26,6 +26,7 @@ setup(
         "tokenizers>=0.20",     # the model dir's tokenizer.json
         "jinja2>=3",            # chat templates
         "tqdm>=4.60",           # progress bars: LLM.generate/chat, `generate`
+        "pypdfium2>=4.30",      # `parse`: PDF pages rendered by PDFium
     ],
     extras_require={
         "cuda": ["nvidia-ml-py>=12", "triton>=3.4"],
@@ -46,7 +47,9 @@ setup(
         # hypothesis runs the property tests (fixed seeds and example counts).
         "test": ["pytest>=8", "transformers==5.24.0", "nvidia-ml-py>=12",
                  "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
-                 "openai>=1.40", "hypothesis>=6", *SERVE],
+                 "openai>=1.40", "hypothesis>=6",
+                 "pypdf>=4",            # encrypted-PDF fixtures for the parsing tests
+                 *SERVE],
     },
     entry_points={
         "console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"],
