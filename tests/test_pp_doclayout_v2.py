@@ -88,6 +88,24 @@ def test_the_config_reads_thresholds_order_and_the_reading_order_network(ours):
             default.reading_order.intermediate_size, default.reading_order.num_hidden_layers) == (512, 8, 2048, 6)
 
 
+def test_at_the_default_config_ours_has_the_references_tensors():
+    """At the released sizes (both built on ``meta``: no weights), the reference's tensors less
+    those the loader ignores have exactly our shapes (the names differ only where save_pretrained
+    converts them, which the tiny checkpoint's load covers)."""
+    from transformers import PPDocLayoutV2Config as RefConfig, PPDocLayoutV2ForObjectDetection
+    from fastdeploy_ext.models.pp_doclayout_v2.loader import UNUSED_SUFFIXES
+    cfg = PPDocLayoutV2Config()
+    with torch.device("meta"):
+        ref = PPDocLayoutV2ForObjectDetection(RefConfig(
+            id2label=dict(enumerate(cfg.labels)), class_thresholds=list(cfg.class_thresholds),
+            class_order=list(cfg.class_order)))
+        ours = v2model.PPDocLayoutV2(cfg)
+    want = sorted(tuple(t.shape) for n, t in ref.state_dict().items()
+                  if n not in UNUSED_NAMES and not n.endswith(UNUSED_SUFFIXES))
+    assert sorted(tuple(t.shape) for t in ours.state_dict().values()) == want
+    assert 50e6 < sum(p.numel() for p in ours.parameters()) < 56e6
+
+
 def test_a_config_v2_cannot_run_is_refused_by_field(tiny, tmp_path):
     data = json.loads((tiny[0] / "config.json").read_text())
     cases = [({"class_order": None}, "class_order is missing"),
@@ -169,6 +187,19 @@ def test_the_reading_order_network_alone_at_the_edges(tiny, ours, kept):
         want = ref_net(boxes=boxes, labels=labels, mask=mask)[:, :, :q]
         got = net(boxes, labels, mask.sum(1))
     assert max_err(want, got) <= 1e-4
+
+
+def test_bf16_runs_and_stays_close_before_the_top_k(tiny, ours):
+    path, _ = tiny
+    model32, _, cfg = ours
+    model16, _ = load_detector(str(path), dtype=torch.bfloat16, device=CPU, cfg=cfg)
+    pixels = fx.sample_pixels(1)
+    with torch.no_grad():
+        a, b = model32(pixels), model16(pixels.bfloat16())
+    assert b.logits.dtype == torch.bfloat16 and torch.isfinite(b.order_logits).all()
+    assert model16.threshold_bits.view(torch.float32).tolist() == pytest.approx(cfg.class_thresholds, abs=1e-7)
+    cos = torch.nn.functional.cosine_similarity(a.enc_outputs_class.flatten(), b.enc_outputs_class.float().flatten(), 0)
+    assert cos.item() >= 0.99
 
 
 def test_a_wrong_class_order_fails_parity(tiny, ours, outputs, monkeypatch):
