@@ -185,6 +185,7 @@ class SelfAttention(nn.Module):
         self.heads, self.head_dim = heads, dim // heads
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.attend: Callable = F.scaled_dot_product_attention      # the plan's dense attention kernel
 
     def forward(self, x, pos):
         b, n, d = x.shape
@@ -192,7 +193,7 @@ class SelfAttention(nn.Module):
         q = self.q_proj(qk_in).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(qk_in).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v)
+        o = self.attend(q, k, v)
         return self.out_proj(o.transpose(1, 2).reshape(b, n, d))
 
 
@@ -500,6 +501,12 @@ class PPDocLayoutV3(nn.Module):
     def set_deformable_kernel(self, kernel: Callable) -> None:
         for layer in self.decoder.layers:
             layer.encoder_attn.kernel = kernel
+
+    def set_aifi_attention(self, attend: Callable) -> None:
+        """The dense attention kernel of the hybrid encoder's AIFI layers ((q, k, v) -> out)."""
+        for aifi in self.encoder.encoder:
+            for layer in aifi.layers:
+                layer.self_attn.attend = attend
 
     @staticmethod
     def anchors(shapes: list[tuple[int, int]], *, device, dtype, grid: float = 0.05):
