@@ -40,6 +40,10 @@ class PPDocLayoutV3Family(DetectorFamily):
     def label_names(self, cfg: PPDocLayoutV3Config) -> tuple[str, ...]:
         return cfg.labels
 
+    def conformance_fixture(self, workdir: str):
+        from .conformance import PPDocLayoutV3Conformance
+        return PPDocLayoutV3Conformance(workdir)
+
     def postprocess(self, cfg, outputs, sizes, *, threshold):
         from .postprocess import detections
         return detections(outputs.logits, outputs.pred_boxes, outputs.order_logits, sizes, cfg.labels,
