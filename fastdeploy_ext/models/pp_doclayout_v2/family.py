@@ -24,6 +24,10 @@ class PPDocLayoutV2Family(PPDocLayoutV3Family):
     def read_config(self, model_dir: str) -> PPDocLayoutV2Config:
         return PPDocLayoutV2Config.from_model_dir(model_dir)
 
+    def conformance_fixture(self, workdir: str):
+        # V3's fixture holds V3's tiny checkpoint and references: not inherited
+        return None
+
     def load_detector(self, model_dir, *, dtype, device, cfg):
         from .loader import load_detector
         return load_detector(model_dir, dtype=dtype, device=device, cfg=cfg)
