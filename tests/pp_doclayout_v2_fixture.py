@@ -17,8 +17,8 @@ READING_ORDER = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64
                      max_position_embeddings=64)
 NUM_CLASSES = 25
 #: the thresholds of the classes the random detector never predicts best (0.5 to 0.9 by class);
-#: each class it does predict gets one between the middle two of its best scores on the sample
-#: pixels (``build_reference``), so the kept set is a strict part of the queries
+#: each class it does predict gets one in the widest gap among the middle half of its best scores
+#: on the sample pixels (``build_reference``), so the kept set is a strict part of the queries
 THRESHOLDS = [0.5 + 0.1 * (i % 5) for i in range(NUM_CLASSES)]
 #: a many-to-one, non-monotonic relabelling onto the network's 20 classes
 CLASS_ORDER = [(7 * i + 3) % 20 for i in range(NUM_CLASSES)]
@@ -44,7 +44,10 @@ def build_reference(seed: int = SEED):
     for c in cls.unique().tolist():
         s = scores[cls == c].sort().values
         if len(s) >= 2:
-            thresholds[c] = float((s[len(s) // 2 - 1] + s[len(s) // 2]) / 2)
+            # the widest gap in the middle half, so that no score sits next to its threshold
+            lo, hi = max(1, len(s) // 4), max(2, 3 * len(s) // 4 + 1)
+            i = lo + int((s[lo:hi] - s[lo - 1:hi - 1]).argmax())
+            thresholds[c] = float((s[i - 1] + s[i]) / 2)
     model.config.class_thresholds = thresholds
     return model
 
