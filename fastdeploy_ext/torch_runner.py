@@ -29,7 +29,7 @@ from .models.interface import CheckpointError, FamilyRole, ModelFamily, require_
 from .models.registry import DEFAULT_DETECTOR_FAMILY, DEFAULT_FAMILY, detect_family, get_family
 from .ops.kernels import KernelRegistry, kernels_for
 from .plan import (CapabilityRow, Component, ComponentKind, Decision, GridSource, PlanError, PlanRequest, RunPlan,
-                   resolve_for_components)
+                   resolve_detector_masks, resolve_for_components)
 from .runner import DeviceRunner, GraphReport, ImageBatch
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,10 @@ class TorchRunner(DeviceRunner):
                                           kernels=kernels.vision_facts(device),
                                           emulated=bool(getattr(probe, "emulated", False)), row_reason=row_reason,
                                           text_available=kernels.paged_availability(device),
-                                          deformable_available={
-                                              n: b.available(device) for n, b in
-                                              kernels.backends(ComponentKind.DEFORMABLE_ATTENTION).items()})
+                                          deformable_available=kernels.availability(
+                                              ComponentKind.DEFORMABLE_ATTENTION, device),
+                                          dense_available=kernels.availability(ComponentKind.DENSE_ATTENTION,
+                                                                               device))
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))
@@ -166,6 +167,8 @@ class TorchRunner(DeviceRunner):
         # a detector family's model (load_detector), apart from the VLM's
         self.detector = self.detector_family = self.detector_cfg = self.detector_report = None
         self.detector_masks: Decision | None = None
+        self.detector_graphs = None       # DetectorGraphs once captured (capture_detector_graphs)
+        self._detector_dir = None
 
     # ------------------------------------------------------------ model
     def load_model(self, model_dir, *, load_format: str = "auto", model_format: str = "auto",
@@ -359,12 +362,13 @@ class TorchRunner(DeviceRunner):
 
     # ------------------------------------------------------------ detection (a DetectorFamily's model)
     def load_detector(self, model_dir, *, load_format: str = "auto", model_family: str | None = None,
-                      masks: bool = False):
+                      masks: bool | None = None):
         """A detector family's model (config.json's model_type, ``model_family``, or the default
         detector without a directory), its plan re-resolved for the detector's components before
-        any weight is read, the deformable attention kernel the plan chose set on it. ``masks``:
-        compute the per-query mask outputs (off unless asked: boxes and reading order need none).
-        Kept apart from the VLM's state: a runner may hold one of each."""
+        any weight is read, and the plan's kernels set on it: the deformable attention backend
+        (the decoder's cross-attention) and the dense one (the encoder's AIFI layer). ``masks``:
+        compute the per-query mask outputs (None: the plan's decision, off unless the request
+        asks). Kept apart from the VLM's state: a runner may hold one of each."""
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"--load-format must be auto, safetensors or dummy, got {load_format!r}")
         if load_format != "dummy" and model_dir is None:
@@ -382,38 +386,108 @@ class TorchRunner(DeviceRunner):
         else:
             self._check_head_dim(components)
             self.plan = dataclasses.replace(self.plan, components=components)
+        if masks is not None:
+            self.plan = dataclasses.replace(self.plan, detector_masks=resolve_detector_masks(bool(masks), True))
         self.dtype = DTYPE_BY_NAME[self.plan.dtype.value]
         model, report = family.load_detector(src, dtype=self.dtype, device=self.device, cfg=cfg)
-        backend = self.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value
-        model.set_deformable_kernel(self.kernels.get(ComponentKind.DEFORMABLE_ATTENTION, backend).sample)
-        self.detector_masks = Decision(bool(masks), "requested" if masks else
-                                       "off unless asked: boxes and reading order need no masks")
-        model.with_masks = self.detector_masks.value
+        self._set_detector_kernels(model)
+        self.detector_masks = self.plan.detector_masks
+        model.with_masks = bool(self.detector_masks.value)
         self.detector, self.detector_family, self.detector_cfg, self.detector_report = model, family, cfg, report
-        log.info("detector family %s (%s): deformable attention %s, %s on %s; masks %s (%s)", family.name,
-                 choice.reason, backend, self.dtype, self.device, "on" if masks else "off", self.detector_masks.reason)
+        self.detector_graphs, self._detector_dir = None, src
+        log.info("detector family %s (%s): deformable attention %s, AIFI attention %s, %s on %s; masks %s (%s); "
+                 "graphs %s (%s)", family.name, choice.reason, self.plan.deformable_attention.value,
+                 self.plan.dense_attention.value, self.dtype, self.device, "on" if model.with_masks else "off",
+                 self.detector_masks.reason, list(self.plan.detector_graphs.value) or "off",
+                 self.plan.detector_graphs.reason)
         return report
 
+    def _set_detector_kernels(self, model) -> None:
+        """The plan's deformable and dense attention backends on ``model`` (a component the
+        family does not declare keeps the model's own kernel)."""
+        deformable = self.plan.deformable_attention.value
+        model.set_deformable_kernel(self.kernels.get(ComponentKind.DEFORMABLE_ATTENTION, deformable).sample)
+        dense = self.plan.dense_attention.value
+        if dense is not None and hasattr(model, "set_aifi_attention"):
+            model.set_aifi_attention(self.kernels.get(ComponentKind.DENSE_ATTENTION, dense).attend)
+
+    def detector_input_size(self) -> tuple[int, int]:
+        """The fixed (height, width) the loaded detector's processor resizes every page to."""
+        proc = self.detector_family.image_processor(self._detector_dir, self.detector_cfg)
+        return int(proc.cfg.height), int(proc.cfg.width)
+
+    def capture_detector_graphs(self) -> GraphReport:
+        """The detector's forward captured per batch-size bucket, as the plan decides (a no-op
+        report with the plan's reason when its detector graphs are off)."""
+        if self.detector is None:
+            raise RuntimeError("no detector loaded: call load_detector() first")
+        buckets = self.plan.detector_graphs.value
+        if not buckets:
+            return GraphReport(captured=0, reason=self.plan.detector_graphs.reason)
+        from .detector_graphs import DetectorGraphs
+        graphs = DetectorGraphs(self, buckets, self.detector_input_size())
+        report = graphs.capture()
+        self.detector_graphs = graphs
+        return dataclasses.replace(report, reason=self.plan.detector_graphs.reason)
+
     def detect_uploaded(self, pixels: torch.Tensor):
-        """The detector's raw outputs for pixels already on the device in the compute dtype."""
+        """The detector's raw outputs for pixels already on the device in the compute dtype:
+        replayed through its bucket graphs when captured (and the pixels are their size), else
+        eager."""
         with torch.inference_mode():
+            g = self.detector_graphs
+            if g is not None and tuple(pixels.shape[1:]) == (3, *g.image_size):
+                return g.run(pixels)
             return self.detector(pixels)
 
-    def detect(self, pixel_values: torch.Tensor, sizes, *, threshold: float):
-        """Detections per page ([B, 3, H, W] float pixels from the family's processor; ``sizes``
-        each page's (height, width)): label, score, bbox in page pixels, in reading order."""
+    def _check_detector_pixels(self, pixel_values) -> None:
         if self.detector is None:
             raise RuntimeError("no detector loaded: call load_detector() first")
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
             raise ValueError(f"pixel_values must be a [B, 3, H, W] tensor, got "
                              f"{list(getattr(pixel_values, 'shape', [])) or type(pixel_values).__name__}")
-        if len(sizes) != pixel_values.shape[0]:
-            raise ValueError(f"{pixel_values.shape[0]} images but {len(sizes)} page sizes")
+        if not pixel_values.is_floating_point():
+            raise ValueError(f"pixel_values must be floating point (the processor's [0, 1] scale), got "
+                             f"{pixel_values.dtype}")
+
+    def detect_device(self, pixel_values: torch.Tensor):
+        """detect() up to its one read-back: the pixels checked, pinned, uploaded and run. The
+        host path a sync guard covers (detector_sync_check_runner)."""
+        self._check_detector_pixels(pixel_values)
         pv = pixel_values
         if pv.device != self.device and pv.device.type == "cpu":
             pv = self.device_api.pin(pv)
-        out = self.detect_uploaded(pv.to(self.device, non_blocking=True).to(self.dtype))
+        return self.detect_uploaded(pv.to(self.device, non_blocking=True).to(self.dtype))
+
+    def detect(self, pixel_values: torch.Tensor, sizes, *, threshold: float):
+        """Detections per page ([B, 3, H, W] float pixels from the family's processor; ``sizes``
+        each page's (height, width)): label, score, bbox in page pixels, in reading order. The
+        post-processing's copy of the outputs to the host is the one read-back."""
+        self._check_detector_pixels(pixel_values)
+        if len(sizes) != pixel_values.shape[0]:
+            raise ValueError(f"{pixel_values.shape[0]} images but {len(sizes)} page sizes")
+        out = self.detect_device(pixel_values)
         return self.detector_family.postprocess(self.detector_cfg, out, sizes, threshold=threshold)
+
+    def detector_sync_check_runner(self) -> "TorchRunner":
+        """The runner the detector's no-sync proof runs on (as sync_check_runner for the VLM):
+        this runner on an accelerator; on a host device a twin with the same class, plan and
+        detector config whose detector lives on ``meta``, so that a read-back or a transfer to
+        the host is an op the guard sees."""
+        if self.detector is None:
+            raise RuntimeError("no detector loaded: call load_detector() first")
+        if self.device.type != "cpu":
+            return self
+        twin = type(self)(dataclasses.replace(self.plan, device="meta"), self.probe_result, self.row,
+                          family=self.family, kernels=self.kernels)
+        model, _ = self.detector_family.load_detector(None, dtype=self.dtype, device=torch.device("meta"),
+                                                      cfg=self.detector_cfg)
+        twin._set_detector_kernels(model)
+        model.with_masks = self.detector.with_masks
+        twin.detector, twin.detector_family, twin.detector_cfg = model, self.detector_family, self.detector_cfg
+        twin.detector_report, twin.detector_masks, twin._detector_dir = (self.detector_report, self.detector_masks,
+                                                                        self._detector_dir)
+        return twin
 
     # ------------------------------------------------------------ reporting
     def describe(self) -> str:
@@ -426,6 +500,8 @@ class TorchRunner(DeviceRunner):
             r = self.detector_report
             lines.append(f"detector: {self.detector_family.name} family, {r.model_dir or 'dummy (built-in config)'}; "
                          f"{r.tensors_loaded} tensors ({r.tensors_ignored} unused by inference ignored); masks "
-                         f"{'on' if self.detector.with_masks else 'off'}")
+                         f"{'on' if self.detector.with_masks else 'off'}; graphs "
+                         + (f"replaying buckets {list(self.detector_graphs.buckets)}" if self.detector_graphs
+                            else "none captured"))
         return "\n".join(lines)
 

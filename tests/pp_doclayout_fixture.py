@@ -28,7 +28,11 @@ def build_reference(seed: int = SEED):
     from fastdeploy_ext.models.pp_doclayout_v3.config import RELEASED_LABELS
     cfg = PPDocLayoutV3Config(backbone_config=dict(BACKBONE), id2label=dict(enumerate(RELEASED_LABELS)), **TINY)
     torch.manual_seed(seed)
-    model = PPDocLayoutV3ForObjectDetection(cfg).eval()
+    return randomize_weights(PPDocLayoutV3ForObjectDetection(cfg).eval(), seed)
+
+
+def randomize_weights(model, seed: int):
+    """Every weight of ``model`` drawn from ``seed`` (shared with the V2 fixture)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.state_dict(keep_vars=True).items()):

@@ -141,7 +141,19 @@ def test_info_shows_the_detectors_plan_from_its_config(tiny, capsys):
     info = json.loads(out)
     kernels = info["plan"]["component_kernels"]
     assert [(k["component"], k["kind"], k["backend"]) for k in kernels] == [
-        ("decoder.cross_attention", "deformable_attention", "aten_grid_sample")]
+        ("decoder.cross_attention", "deformable_attention", "aten_grid_sample"),
+        ("encoder.aifi_attention", "dense_attention", "sdpa")]
+    plan = info["plan"]
+    assert plan["detector_masks"]["value"] is False and "off unless asked" in plan["detector_masks"]["reason"]
+    assert plan["detector_graphs"]["value"] == [] and plan["detector_graphs"]["reason"].startswith("off: row cpu")
+    # the text report: the detector's decisions, each with its reason
+    rc, out, _ = run(capsys, "info", "--model-family", "pp_doclayout_v3", "--device", "cpu")
+    assert rc == 0
+    lines = {ln.split("=")[0].strip(): ln for ln in out.splitlines() if " = " in ln}
+    assert "float32" in lines["dtype"] and "default of row cpu" in lines["dtype"]
+    assert "aten_grid_sample" in lines["deformable_attention"] and "sdpa" in lines["aifi_attention"]
+    assert "off" in lines["masks"] and "boxes and reading order only" in lines["masks"]
+    assert "off: row cpu has no detector graph capture" in lines["detector_graphs"]
     rc, _, err = run(capsys, "generate", "--model", tiny[0], "--image", __file__, "--prompt", "OCR:", *CPU)
     assert rc == 2 and "pp_doclayout_v3 is a detector family" in err
     rc, _, err = run(capsys, "encode", "--model", tiny[0], "--image", __file__, "--output", tiny[0] / "x.safetensors", *CPU)

@@ -65,15 +65,20 @@ FAMILY_NEUTRAL = {"fastdeploy_ext.models", "fastdeploy_ext.models.interface", "f
 # the suite's tests reach a family only through its ConformanceFixture); the list may only
 # shrink: a module outside it that imports a family fails the test below
 STILL_IMPORTING_A_FAMILY = ("fastdeploy_ext.conformance.make_references", "fastdeploy_ext.conformance.tiny_text_model")
+# a family built on another family's code, declared: PP-DocLayoutV2 is V3's detector (config,
+# modules, loader, processor, post-processing: one implementation) without the mask branch,
+# plus its own reading-order network. Any other family-to-family import still fails.
+FAMILY_BASES = {"fastdeploy_ext.models.pp_doclayout_v2": "fastdeploy_ext.models.pp_doclayout_v3"}
 
 
 def family_imports(module: str, path: Path, known: set[str]) -> set[str]:
     """The family modules (fastdeploy_ext.models.<family>...) ``module`` imports, other than its
     own family's and the neutral interface/registry."""
     own = ".".join(module.split(".")[:3]) if module.startswith(FAMILY_PREFIX) else None
+    allowed = {own, FAMILY_BASES.get(own)}
     return {n for n in imported_names(module, path, known)
             if n.startswith(FAMILY_PREFIX) and n not in FAMILY_NEUTRAL
-            and ".".join(n.split(".")[:3]) != own}
+            and ".".join(n.split(".")[:3]) not in allowed}
 
 
 def _family_violations(roots) -> dict[str, set[str]]:
@@ -108,6 +113,22 @@ def test_family_import_check_fires_on_a_planted_import(tmp_path, planted):
     bad = _family_violations([pkg])
     assert list(bad) == ["fastdeploy_ext.torch_runner"], bad          # the family's own import is fine
     assert all(n.startswith("fastdeploy_ext.models.paddleocr_vl") for n in bad["fastdeploy_ext.torch_runner"])
+
+
+def test_only_the_declared_family_base_may_be_imported_by_a_family(tmp_path):
+    pkg = tmp_path / "fastdeploy_ext"
+    for fam in ("paddleocr_vl", "pp_doclayout_v3", "pp_doclayout_v2"):
+        for rel in ("__init__.py", "model.py"):
+            (pkg / "models" / fam / rel).parent.mkdir(parents=True, exist_ok=True)
+            (pkg / "models" / fam / rel).write_text("")
+    for rel in ("__init__.py", "models/__init__.py"):
+        (pkg / rel).write_text("")
+    (pkg / "models/pp_doclayout_v2/model.py").write_text("from ..pp_doclayout_v3.model import x\n")
+    assert _family_violations([pkg]) == {}
+    (pkg / "models/pp_doclayout_v2/model.py").write_text("from ..paddleocr_vl.model import x\n")
+    (pkg / "models/pp_doclayout_v3/model.py").write_text("from ..pp_doclayout_v2.model import x\n")
+    assert _family_violations([pkg]) == {"fastdeploy_ext.models.pp_doclayout_v2.model": {"fastdeploy_ext.models.paddleocr_vl.model"},
+                                         "fastdeploy_ext.models.pp_doclayout_v3.model": {"fastdeploy_ext.models.pp_doclayout_v2.model"}}
 
 
 # --------------------------------------------------------------- CUDA branches live in backends

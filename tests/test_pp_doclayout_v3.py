@@ -284,11 +284,12 @@ def test_the_plan_resolves_the_deformable_kind_on_every_shipped_row():
     from fastdeploy_ext.plan import ComponentKind, PlanError, PlanRequest, resolve_for_components
     family = get_family("pp_doclayout_v3")
     components = family.components(family.default_config())
-    assert [c.kind for c in components] == [ComponentKind.DEFORMABLE_ATTENTION]
+    assert [c.kind for c in components] == [ComponentKind.DEFORMABLE_ATTENTION, ComponentKind.DENSE_ATTENTION]
     for name, row in capability_table().items():
         plan = resolve_for_components(row, PlanRequest(), components, device="cpu", kernels={},
                                       text_available={})
         assert plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value == "aten_grid_sample", name
+        assert plan.kernel(ComponentKind.DENSE_ATTENTION).value == "sdpa", name
         assert plan.attention.value is None and plan.text_attention.value is None
     bare = row.with_entries(ComponentKind.DEFORMABLE_ATTENTION, ())
     with pytest.raises(PlanError, match=f"row {bare.name} lists no backend for kernel kind deformable_attention"):
@@ -308,7 +309,7 @@ def test_the_runner_runs_the_detector_on_the_plans_device(tiny, ours):
     report = runner.load_detector(str(path))
     assert report.tensors_loaded == ours[1].tensors_loaded
     assert runner.plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value == "aten_grid_sample"
-    assert [c.name for c in runner.plan.components] == ["decoder.cross_attention"]
+    assert [c.name for c in runner.plan.components] == ["decoder.cross_attention", "encoder.aifi_attention"]
     pixels = fx.sample_pixels()
     sizes = [(300, 200), (128, 128)]
     got = runner.detect(pixels, sizes, threshold=0.5)

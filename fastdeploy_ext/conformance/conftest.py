@@ -87,3 +87,25 @@ def batch_for(encode_case):
     def make(model_dir, n=encode_case.num_images):
         return encode_case.batch(model_dir, n)
     return make
+
+
+@pytest.fixture(scope="session")
+def detect_case(request):
+    """The detector family's parity case (``--fdx-detector-family``, default the default
+    detector family): tiny checkpoint, pixels, reference outputs, goldens."""
+    from .plugin import detector_fixture_of
+    fx, error = detector_fixture_of(request.config)
+    if fx is None:
+        pytest.fail(f"detector family: {error}")
+    return fx.detect_case()
+
+
+@pytest.fixture(scope="session")
+def make_detector_runner(backend_cls):
+    """make_detector_runner(model_dir, **PlanRequest fields) -> a runner of the backend under test
+    with the detector loaded."""
+    def make(model_dir, **req):
+        runner = backend_cls.create(PlanRequest(device=backend_cls.name, **req))
+        runner.load_detector(model_dir)
+        return runner
+    return make

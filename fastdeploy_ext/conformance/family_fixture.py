@@ -90,3 +90,30 @@ class ConformanceFixture(ABC):
     @abstractmethod
     def bad_batches(self) -> dict[str, tuple[torch.Tensor, list, str]]:
         """BAD_BATCH_KINDS -> (pixel_values, grid_thw, a regex the BatchError must match)."""
+
+
+# ------------------------------------------------------------------------- detector families
+@dataclass(frozen=True)
+class DetectCase:
+    """A layout detector's parity case: a tiny checkpoint, the pages' pixels (our processor's),
+    the reference outputs and the post-processed goldens."""
+    model_dir: Path
+    pixels: torch.Tensor                                 # [B, 3, H, W] fp32, what the references were computed on
+    sizes: list[tuple[int, int]]                         # each page's (height, width)
+    num_queries: int
+    threshold: float
+    expected: Callable[[], dict[str, dict[str, torch.Tensor]]]   # source -> output name -> fp32 tensor
+    golden: list[list[dict]]                             # per page: label, label_id, score, bbox, order
+    tolerance: float = 1e-4                              # max abs error of every output (fp32)
+    topk_margin: float = 1e-3                            # the encoder's k-th vs k+1-th score, at least
+
+
+class DetectorConformanceFixture(ABC):
+    """A detector family's tiny models and references (``DetectorFamily.conformance_fixture``):
+    the conformance suite's detector tests (test_detector.py) run it on every leg."""
+
+    def __init__(self, workdir: str | Path):
+        self.workdir = Path(workdir)
+
+    @abstractmethod
+    def detect_case(self) -> DetectCase: ...

@@ -164,6 +164,83 @@ def _make_text_logits(dst: Path, inputs: dict[str, Path]) -> None:
                         "pixel_values_sha256": pixels_sha256(im.pixel_values), "dtype": "torch.float32"})
 
 
+DETECTOR_OUTPUTS = ("logits", "pred_boxes", "order_logits", "enc_outputs_class", "enc_outputs_coord_logits")
+
+
+def _make_tiny_detector(dst: Path, inputs: dict[str, Path]) -> None:
+    from .tiny_detector import write_model
+    write_model(dst)
+
+
+def reference_detector_outputs(model_dir: Path, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' PPDocLayoutV3ForObjectDetection outputs for ``pixels``, fp32 on the CPU."""
+    from transformers import PPDocLayoutV3ForObjectDetection
+    model = PPDocLayoutV3ForObjectDetection.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        out = model(pixel_values=pixels)
+    return {k: getattr(out, k).float().contiguous() for k in DETECTOR_OUTPUTS}
+
+
+def _make_detector_outputs(dst: Path, inputs: dict[str, Path]) -> None:
+    from safetensors.torch import save_file
+
+    from .tiny_detector import PAGE_SIZES, page_pixels
+    pixels, sizes = page_pixels(inputs["tiny_detector"])
+    assert sizes == list(PAGE_SIZES)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    save_file(reference_detector_outputs(inputs["tiny_detector"], pixels) | {"pixel_values": pixels}, str(dst),
+              metadata={"pixel_values_sha256": pixels_sha256(pixels), "page_sizes": repr(sizes),
+                        "dtype": "torch.float32"})
+
+
+def reference_detections(model_dir: Path, outputs: dict[str, torch.Tensor], sizes, threshold: float) -> list:
+    """transformers' post_process_object_detection on the reference outputs: per page its
+    kept (label id, score, box) in the order it returns them (reading order), as JSON."""
+    from types import SimpleNamespace
+
+    from transformers import PPDocLayoutV3ImageProcessor
+    proc = PPDocLayoutV3ImageProcessor.from_pretrained(str(model_dir))
+    res = proc.post_process_object_detection(SimpleNamespace(**outputs), threshold=threshold, target_sizes=sizes)
+    return [{"labels": r["labels"].tolist(), "scores": r["scores"].tolist(), "boxes": r["boxes"].tolist()}
+            for r in res]
+
+
+def detector_golden(outputs: dict[str, torch.Tensor], sizes, threshold: float) -> list[list[dict]]:
+    """Post-processed reference outputs (ours: sigmoid, top-k, threshold, corners in page pixels,
+    reading order; the same computation as transformers' post_process_object_detection): per
+    page, per detection its label, label id, score, bbox and reading-order rank."""
+    from ..models.pp_doclayout_v3.config import RELEASED_LABELS
+    from ..models.pp_doclayout_v3.postprocess import detections
+    pages = detections(outputs["logits"], outputs["pred_boxes"], outputs["order_logits"], sizes, RELEASED_LABELS,
+                       threshold=threshold)
+    return [[{"label": d.label, "label_id": d.label_id, "score": d.score, "bbox": list(d.bbox), "order": d.order}
+             for d in page] for page in pages]
+
+
+def read_tensors_with_metadata(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def _make_detector_detections(dst: Path, inputs: dict[str, Path]) -> None:
+    import ast
+    import json
+
+    from .tiny_detector import THRESHOLD
+    t, info = read_tensors_with_metadata(inputs["detector_outputs"])
+    sizes = [tuple(s) for s in ast.literal_eval(info["page_sizes"])]
+    body = {"threshold": THRESHOLD, "page_sizes": [list(s) for s in sizes],
+            "pages": detector_golden(t, sizes, THRESHOLD)}
+    try:            # transformers' own post-processing, where its image processor loads (torchvision)
+        body["transformers"] = reference_detections(inputs["tiny_detector"], {k: t[k] for k in DETECTOR_OUTPUTS},
+                                                    sizes, THRESHOLD)
+    except Exception as e:      # noqa: BLE001 - recorded: which reference the goldens were checked against
+        body["transformers_unavailable"] = f"{type(e).__name__}: {e}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(body, indent=1))
+
+
 PRODUCERS: tuple[Producer, ...] = (
     Producer("tiny_torch", "model_dir", "tiny_torch",
              "random tiny PaddleOCR-VL (vision 2x72 heads, 2 layers; text 1 layer), save_pretrained, bf16 weights",
@@ -187,6 +264,18 @@ PRODUCERS: tuple[Producer, ...] = (
              "transformers fp32 CPU logits of tiny_vl for the first image with the prompt 'OCR:' (our prompt "
              "ids) followed by 6 teacher-forced tokens: rows from the last prompt token on",
              ("tiny_vl", "images"), _make_text_logits),
+    Producer("tiny_detector", "model_dir", "tiny_detector",
+             "random tiny PP-DocLayoutV3 (tiny_detector.py: HGNetV2 of 4 one-block stages, d_model 32, 2 decoder "
+             "layers, 300 queries, 25 classes), save_pretrained, fp32 weights, 128x128 processor", (),
+             _make_tiny_detector),
+    Producer("detector_outputs", "tensors", "expected/detector_outputs.safetensors",
+             "transformers PPDocLayoutV3ForObjectDetection outputs (logits, pred_boxes, order_logits, "
+             "enc_outputs_class, enc_outputs_coord_logits), fp32 on the CPU, for our processor's pixels of "
+             "tiny_detector.pages() (stored with them)", ("tiny_detector",), _make_detector_outputs),
+    Producer("detector_detections", "json", "expected/detector_detections.json",
+             "the reference outputs post-processed (sigmoid, top-k, threshold, corners in page pixels, reading "
+             "order): per page label, score, bbox, order", ("tiny_detector", "detector_outputs"),
+             _make_detector_detections),
 )
 
 

@@ -20,6 +20,9 @@ def pytest_addoption(parser):
     g.addoption("--fdx-backend", default=None, help="registered backend to test (cuda, metax, cpu_amx, cpu, ...)")
     g.addoption("--fdx-family", default=None,
                 help="model family whose tiny models and references the suite runs (default: the default family)")
+    g.addoption("--fdx-detector-family", default=None,
+                help="layout detector family whose tiny model and references the detector tests run (default: the "
+                     "default detector family; none: no detector tests)")
     g.addoption("--fdx-no-emulate", action="store_true",
                 help="never emulate a missing device (fail instead of entering the backend's emulation mode)")
 
@@ -48,6 +51,31 @@ def family_option(config) -> str:
     return config.getoption("--fdx-family") or DEFAULT_FAMILY
 
 
+def detector_family_option(config) -> str | None:
+    from ..models.registry import DEFAULT_DETECTOR_FAMILY
+    name = config.getoption("--fdx-detector-family") or DEFAULT_DETECTOR_FAMILY
+    return None if name == "none" else name
+
+
+def detector_fixture_of(config):
+    """(the detector family's DetectorConformanceFixture, None) or (None, why not), made once
+    per session (it points at shipped references: no work dir)."""
+    if not hasattr(config, "_fdx_detector_fixture"):
+        from ..models.interface import DetectorFamily
+        from ..models.registry import get_family
+        from .family_fixture import DetectorConformanceFixture
+        name = detector_family_option(config)
+        try:
+            family = get_family(name)
+        except ValueError as e:
+            config._fdx_detector_fixture = (None, str(e))
+            return config._fdx_detector_fixture
+        fx = family.conformance_fixture("") if isinstance(family, DetectorFamily) else None
+        config._fdx_detector_fixture = (fx, None) if isinstance(fx, DetectorConformanceFixture) else (
+            None, f"{name} is no detector family with a detector conformance fixture")
+    return config._fdx_detector_fixture
+
+
 def family_fixture_of(config):
     """(the family's ConformanceFixture, None) or (None, why not), made once per session in a
     work dir of its own (removed at the end)."""
@@ -60,16 +88,23 @@ def family_fixture_of(config):
         except ValueError as e:          # unknown family: every test fails saying so
             config._fdx_family_fixture = (None, str(e))
             return config._fdx_family_fixture
+        from .family_fixture import ConformanceFixture
         config._fdx_workdir = tempfile.TemporaryDirectory(prefix=f"fdx-{name}-")
         fx = family.conformance_fixture(config._fdx_workdir.name)
-        config._fdx_family_fixture = (fx, None) if fx is not None else (
-            None, "the family supplies no conformance fixture (ModelFamily.conformance_fixture returns None)")
+        if fx is not None and not isinstance(fx, ConformanceFixture):
+            config._fdx_family_fixture = (None, f"{name} is a {family.role} family: its conformance tests are the "
+                                                f"detector tests (--fdx-detector-family {name})")
+        else:
+            config._fdx_family_fixture = (fx, None) if fx is not None else (
+                None, "the family supplies no conformance fixture (ModelFamily.conformance_fixture returns None)")
     return config._fdx_family_fixture
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fdx_family_fact(fact): conformance test of what only families declaring "
                                        "this FamilyFact have (deselected, and named in the summary, for others)")
+    config.addinivalue_line("markers", "fdx_detector: conformance test of the layout detector family "
+                                       "(--fdx-detector-family; deselected, and named in the summary, with none)")
     config.addinivalue_line("markers", "fdx_device(type): conformance test that needs a torch device of this "
                                        "type (deselected, and named in the summary, on other legs)")
     config.addinivalue_line("markers", "fdx_backend(*names): conformance test of what only these backends "
@@ -126,10 +161,21 @@ def _deselect_by_family_facts(config, items) -> None:
         items[:] = [i for i in items if i not in drop]
 
 
+def _deselect_detector_tests(config, items) -> None:
+    if detector_family_option(config) is not None:
+        return
+    drop = [i for i in items if i.get_closest_marker("fdx_detector")]
+    if drop:
+        config._fdx_not_run += [(i.nodeid, "detector family", "none (--fdx-detector-family none)") for i in drop]
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if i not in drop]
+
+
 def pytest_collection_modifyitems(session, config, items):
     backend = config.getoption("--fdx-backend")
     if backend:
         _deselect_by_family_facts(config, items)
+        _deselect_detector_tests(config, items)
     by_backend = [i for i in items if i.get_closest_marker("fdx_backend")
                   and backend not in i.get_closest_marker("fdx_backend").args]
     if backend and by_backend:
@@ -172,7 +218,8 @@ def pytest_report_header(config):
         return None
     tag = ("  [EMULATED: the backend's emulation mode (no device; a fake SDK answers its probe), runner code "
            "and row are real]" if config._fdx_emulated else "")
-    return f"fastdeploy_ext conformance: backend={backend} family={family_option(config)}{tag}"
+    return (f"fastdeploy_ext conformance: backend={backend} family={family_option(config)} "
+            f"detector={detector_family_option(config) or 'none'}{tag}")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -20,10 +20,14 @@ from ..plan.kinds import ComponentKind
 
 
 def _kind_types() -> dict[ComponentKind, type]:
+    from .attention.deformable import DeformableAttentionBackend
+    from .attention.dense import DenseAttentionBackend
     from .attention.paged import PagedAttentionBackend
     from .attention.varlen import VarlenAttention
     return {ComponentKind.VISION_VARLEN_ATTENTION: VarlenAttention,
-            ComponentKind.PAGED_DECODER_ATTENTION: PagedAttentionBackend}
+            ComponentKind.PAGED_DECODER_ATTENTION: PagedAttentionBackend,
+            ComponentKind.DEFORMABLE_ATTENTION: DeformableAttentionBackend,
+            ComponentKind.DENSE_ATTENTION: DenseAttentionBackend}
 
 
 class KernelRegistry:
@@ -79,18 +83,25 @@ class KernelRegistry:
 
     def paged_availability(self, device: torch.device) -> dict[str, tuple[bool, str]]:
         """Every paged decoder attention backend's (present, reason) on ``device``."""
-        return {n: b.available(device) for n, b in self.backends(ComponentKind.PAGED_DECODER_ATTENTION).items()}
+        return self.availability(ComponentKind.PAGED_DECODER_ATTENTION, device)
+
+    def availability(self, kind: ComponentKind, device: torch.device) -> dict[str, tuple[bool, str]]:
+        """Every ``kind`` backend's (present, reason) on ``device`` (kinds whose objects say it
+        with ``available(device)``)."""
+        return {n: b.available(device) for n, b in self.backends(kind).items()}
 
 
 @functools.cache
 def builtin_kernels() -> KernelRegistry:
     """The framework's own backends (built once: the registry is immutable)."""
     from .attention.deformable import BUILTIN_DEFORMABLE_BACKENDS
+    from .attention.dense import BUILTIN_DENSE_BACKENDS
     from .attention.paged import BUILTIN_PAGED_BACKENDS
     from .attention.varlen import BUILTIN_VARLEN_BACKENDS
     return KernelRegistry({ComponentKind.VISION_VARLEN_ATTENTION: {b.name: b for b in BUILTIN_VARLEN_BACKENDS},
                            ComponentKind.PAGED_DECODER_ATTENTION: {b.name: b for b in BUILTIN_PAGED_BACKENDS},
-                           ComponentKind.DEFORMABLE_ATTENTION: {b.name: b for b in BUILTIN_DEFORMABLE_BACKENDS}})
+                           ComponentKind.DEFORMABLE_ATTENTION: {b.name: b for b in BUILTIN_DEFORMABLE_BACKENDS},
+                           ComponentKind.DENSE_ATTENTION: {b.name: b for b in BUILTIN_DENSE_BACKENDS}})
 
 
 def kernels_for(runner_cls) -> KernelRegistry:

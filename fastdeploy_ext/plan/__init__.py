@@ -11,21 +11,24 @@ choice.py's KindContext), decisions.py (dtype, grid source, qkv layout, graphs, 
 and resolve.py (the model's components drive which resolvers run).
 """
 from .choice import KernelChoice, KindContext
-from .decisions import (resolve_decode_graphs, resolve_dtype, resolve_encoder_graphs, resolve_fused_layers,
-                        resolve_grid_source, resolve_qkv_layout)
-from .graph_config import DEFAULT_CAPTURE_SIZES, DEFAULT_GRAPH_PATHS, EncoderGraphPath, GraphOptimizationConfig
+from .decisions import (DETECTOR_GRAPH_KIND, resolve_decode_graphs, resolve_detector_graphs, resolve_detector_masks,
+                        resolve_dtype, resolve_encoder_graphs, resolve_fused_layers, resolve_grid_source,
+                        resolve_qkv_layout)
+from .graph_config import DEFAULT_CAPTURE_SIZES, DEFAULT_DETECTOR_CAPTURE_SIZES, DEFAULT_GRAPH_PATHS, EncoderGraphPath, GraphOptimizationConfig
 from .kinds import (AUTO, DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, Component, ComponentKind, Decision, GridSource,
                     PlanError, QkvLayout, Switch, component_of, components_by_kind, requested)
 from .paged_attention import resolve_paged_attention
 from .request import PlanRequest, RunPlan
 from .resolve import KIND_RESOLVERS, resolve_for_components, resolve_plan
-from .deformable_attention import BUILTIN_DEFORMABLE, resolve_deformable_attention
+from .deformable_attention import BUILTIN_DENSE, BUILTIN_DEFORMABLE, resolve_dense_attention, resolve_deformable_attention
 from .table import (DEFAULT_KV_BLOCK_SIZE, DEFAULT_TEXT_ATTENTION, ENTRY_PARSERS, LEGACY_KEYS, AttentionEntry,
-                    CapabilityRow, DeformableAttentionEntry, KernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
+                    CapabilityRow, DeformableAttentionEntry, DenseAttentionEntry, KernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
 from .vision_attention import VisionKernels, resolve_vision_attention
 
 __all__ = [
-    "AUTO", "BUILTIN_DEFORMABLE", "DeformableAttentionEntry", "resolve_deformable_attention", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",
+    "AUTO", "BUILTIN_DENSE", "BUILTIN_DEFORMABLE", "DEFAULT_DETECTOR_CAPTURE_SIZES", "DETECTOR_GRAPH_KIND",
+    "DeformableAttentionEntry", "DenseAttentionEntry", "resolve_dense_attention", "resolve_deformable_attention",
+    "resolve_detector_graphs", "resolve_detector_masks", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",
     "ComponentKind", "DEFAULT_CAPTURE_SIZES", "DEFAULT_GRAPH_PATHS", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_TEXT_ATTENTION",
     "Decision", "ENTRY_PARSERS", "EncoderGraphPath", "GraphOptimizationConfig", "GridSource", "KIND_RESOLVERS",
     "KernelChoice", "KernelEntry", "KernelFacts", "KindContext", "LEGACY_KEYS", "PlanError", "PlanRequest",

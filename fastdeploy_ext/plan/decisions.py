@@ -1,5 +1,6 @@
-"""The decisions that are no single kind's kernel: dtype, grid source, qkv layout, encoder and
-decoder graphs, fused layers. Each reads the row, the typed request and the kernels chosen."""
+"""The decisions that are no single kind's kernel: dtype, grid source, qkv layout, encoder,
+decoder and detector graphs, fused layers, a detector's masks. Each reads the row, the typed
+request and the kernels chosen."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -128,3 +129,43 @@ def resolve_fused_layers(row: CapabilityRow, value: str, kernels: Mapping[str, K
         notes.append(f"fused layers skipped: {why}")
         return Decision(False, f"Triton unusable here: {why}")
     return Decision(True, f"default of row {row.name}")
+
+
+#: the graph kind a row lists when it can capture a layout detector's forward
+DETECTOR_GRAPH_KIND = "detector"
+
+
+def resolve_detector_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, is_detector: bool) -> Decision:
+    """A layout detector's forward captured per batch-size bucket at its fixed input (a batch
+    pads to the smallest bucket holding it): on where the row lists the `detector` graph kind
+    and its graphs are on by default; ``use_detector_cudagraph`` forces them on (a PlanError
+    naming the row where impossible) or off. Value: the buckets, () when off."""
+    forced = gc.use_detector_cudagraph
+    if not is_detector:
+        if forced:
+            raise PlanError(f"row {row.name}: detector graphs requested but the model is no detector")
+        return Decision((), "the model is no detector")
+    if forced and DETECTOR_GRAPH_KIND not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no detector graph capture "
+                        f"(graph kinds: {list(row.graph_kinds) or 'none'})")
+    if forced is False:
+        return Decision((), "off: use_detector_cudagraph=false")
+    if forced is None and DETECTOR_GRAPH_KIND not in row.graph_kinds:
+        return Decision((), f"off: row {row.name} has no detector graph capture "
+                            f"(graph kinds: {list(row.graph_kinds) or 'none'})")
+    if forced is None and not row.graphs_default:
+        return Decision((), f"off: row {row.name}'s graphs are off by default")
+    why = ("requested" if forced else f"on by default on row {row.name}: the input is fixed, so one graph per "
+           "batch-size bucket replays the whole forward (a batch pads to its bucket)")
+    return Decision(tuple(gc.detector_capture_sizes), why)
+
+
+def resolve_detector_masks(asked: bool, is_detector: bool) -> Decision:
+    """Whether the detector computes its per-query mask outputs: off unless asked, since
+    parsing needs boxes and reading order only (the encoder's mask prototypes that place the
+    initial boxes are part of the detection itself and always run)."""
+    if not is_detector:
+        return Decision(None, "the model is no detector")
+    if asked:
+        return Decision(True, "requested")
+    return Decision(False, "off unless asked: parsing needs boxes and reading order only")

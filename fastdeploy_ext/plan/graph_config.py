@@ -41,6 +41,11 @@ DEFAULT_GRAPH_PATHS = (
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+# Detector graphs per batch-size bucket at the detector's fixed input (a batch pads to the
+# smallest bucket that holds it; a larger one runs in chunks of the largest)
+DEFAULT_DETECTOR_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
 @dataclass(frozen=True)
 class GraphOptimizationConfig:
     """`--graph-optimization-config` JSON. FastDeploy's keys keep FastDeploy's meaning:
@@ -48,15 +53,19 @@ class GraphOptimizationConfig:
     captured). The vision encoder's graphs have their own keys: ``use_encoder_cudagraph``,
     ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens,
     max_segments}) and ``encoder_split_oversize_batches`` (pack batches larger than every budget
-    into several replays instead of one eager pass). None: the row's default."""
+    into several replays instead of one eager pass). A layout detector's graphs:
+    ``use_detector_cudagraph`` and ``detector_capture_sizes`` (its batch-size buckets). None:
+    the row's default."""
     use_cudagraph: bool | None = None
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     use_encoder_cudagraph: bool | None = None
     encoder_graph_paths: tuple[EncoderGraphPath, ...] = DEFAULT_GRAPH_PATHS
     encoder_split_oversize_batches: bool = False
+    use_detector_cudagraph: bool | None = None
+    detector_capture_sizes: tuple[int, ...] = DEFAULT_DETECTOR_CAPTURE_SIZES
 
     KEYS = ("use_cudagraph", "cudagraph_capture_sizes", "use_encoder_cudagraph", "encoder_graph_paths",
-            "encoder_split_oversize_batches")
+            "encoder_split_oversize_batches", "use_detector_cudagraph", "detector_capture_sizes")
 
     @classmethod
     def from_json(cls, text: str | None) -> "GraphOptimizationConfig":
@@ -79,16 +88,19 @@ class GraphOptimizationConfig:
                 raise ValueError(f"--graph-optimization-config encoder_graph_paths: {e}") from None
             for p in paths:
                 p.validate()
-        sizes = DEFAULT_CAPTURE_SIZES
-        if "cudagraph_capture_sizes" in d:
-            sizes = d["cudagraph_capture_sizes"]
+        def sizes_of(key, default):
+            if key not in d:
+                return default
+            sizes = d[key]
             if (not isinstance(sizes, list) or not sizes
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes)):
-                raise ValueError("--graph-optimization-config cudagraph_capture_sizes must be a non-empty list of "
+                raise ValueError(f"--graph-optimization-config {key} must be a non-empty list of "
                                  f"positive integers, got {sizes!r}")
-            sizes = tuple(sorted(set(sizes)))
+            return tuple(sorted(set(sizes)))
 
         def switch(key):
             return None if d.get(key) is None else bool(d[key])
-        return cls(switch("use_cudagraph"), sizes, switch("use_encoder_cudagraph"), paths,
-                   bool(d.get("encoder_split_oversize_batches", False)))
+        return cls(switch("use_cudagraph"), sizes_of("cudagraph_capture_sizes", DEFAULT_CAPTURE_SIZES),
+                   switch("use_encoder_cudagraph"), paths, bool(d.get("encoder_split_oversize_batches", False)),
+                   switch("use_detector_cudagraph"),
+                   sizes_of("detector_capture_sizes", DEFAULT_DETECTOR_CAPTURE_SIZES))

@@ -64,6 +64,8 @@ class ComponentKind(_Choice):
     VISION_VARLEN_ATTENTION = "vision_varlen_attention"     # packed variable-length images, no cache
     PAGED_DECODER_ATTENTION = "paged_decoder_attention"     # the decoder over the paged KV cache
     DEFORMABLE_ATTENTION = "deformable_attention"           # a detector's multi-scale deformable sampling
+    DENSE_ATTENTION = "dense_attention"                     # unmasked attention over equal-length sequences
+    #                                                         (a detector's AIFI layer: one feature map a page)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ class PlanRequest:
     graph_config: GraphOptimizationConfig = field(default_factory=GraphOptimizationConfig)
     capabilities: str | None = None      # --capabilities FILE.yaml: rows overriding the shipped ones
     text_attention_backend: str = "auto"
+    #: a layout detector computes its per-query masks (off unless asked: parsing needs none)
+    detector_masks: bool = False
 
     #: the flag that forces each kind's backend
     BACKEND_FLAG: ClassVar[dict[ComponentKind, str]] = {
@@ -63,12 +65,16 @@ class RunPlan:
 
     components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
     deformable_attention: Decision = Decision(None, "the model has no deformable attention")
+    dense_attention: Decision = Decision(None, "the model has no dense attention")
+    detector_graphs: Decision = Decision((), "the model is no detector")   # value: batch-size buckets
+    detector_masks: Decision = Decision(None, "the model is no detector")
 
     #: the decision holding each kernel kind's backend (a new kind adds its field and an entry)
     KERNEL_FIELD: ClassVar[dict[ComponentKind, str]] = {
         ComponentKind.VISION_VARLEN_ATTENTION: "attention",
         ComponentKind.PAGED_DECODER_ATTENTION: "text_attention",
         ComponentKind.DEFORMABLE_ATTENTION: "deformable_attention",
+        ComponentKind.DENSE_ATTENTION: "dense_attention",
     }
 
     @property
@@ -93,16 +99,32 @@ class RunPlan:
                 "fused_layers": self.fused_layers, "text_attention": self.text_attention,
                 "kv_block_size": self.kv_block_size, "decode_graphs": self.decode_graphs}
 
+    @property
+    def is_detector(self) -> bool:
+        """The plan was resolved for a layout detector (its components include deformable attention)."""
+        return any(c.kind is ComponentKind.DEFORMABLE_ATTENTION for c in self.components)
+
+    def detector_decisions(self) -> dict[str, Decision]:
+        """A layout detector's own decisions, per component: the compute dtype, the deformable
+        (decoder cross-attention) and dense (AIFI) attention backends, graphs, masks."""
+        return {"dtype": self.dtype, "deformable_attention": self.deformable_attention,
+                "aifi_attention": self.dense_attention, "detector_graphs": self.detector_graphs,
+                "masks": self.detector_masks}
+
     def describe(self) -> str:
         tag = " [EMULATED]" if self.emulated else ""
         lines = [f"plan: runner={self.runner} row={self.row} device={self.device}{tag}"]
-        for k, d in self.decisions().items():
+        decisions = self.detector_decisions() if self.is_detector else self.decisions()
+        width = max(15, *map(len, decisions))
+        for k, d in decisions.items():
             v = d.value
             if k == "graphs":
                 v = ", ".join(f"{p.name}{list(p.budgets)}" for p in v) if v else "off"
-            elif k == "decode_graphs":
+            elif k in ("decode_graphs", "detector_graphs"):
                 v = f"batch sizes {list(v)}" if v else "off"
-            lines.append(f"  {k:<15} = {v!s:<28} ({d.reason})")
+            elif k == "masks":
+                v = "on" if v else "off"
+            lines.append(f"  {k:<{width}} = {v!s:<28} ({d.reason})")
         if self.attention_fallbacks:
             lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
         for c, d in self.component_kernels():

@@ -10,10 +10,11 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from .choice import KernelChoice, KindContext
-from .decisions import (resolve_decode_graphs, resolve_dtype, resolve_encoder_graphs, resolve_fused_layers,
-                        resolve_grid_source, resolve_qkv_layout)
+from .decisions import (resolve_decode_graphs, resolve_detector_graphs, resolve_detector_masks, resolve_dtype,
+                        resolve_encoder_graphs, resolve_fused_layers, resolve_grid_source, resolve_qkv_layout)
 from .kinds import Component, ComponentKind, Decision, PlanError, components_by_kind
-from .deformable_attention import BUILTIN_DEFORMABLE, resolve_deformable_attention
+from .deformable_attention import (BUILTIN_DENSE, BUILTIN_DEFORMABLE, resolve_dense_attention,
+                                   resolve_deformable_attention)
 from .paged_attention import resolve_paged_attention
 from .request import PlanRequest, RunPlan
 from .table import CapabilityRow, KernelFacts
@@ -24,6 +25,7 @@ KIND_RESOLVERS: dict[ComponentKind, Callable[[KindContext], KernelChoice]] = {
     ComponentKind.VISION_VARLEN_ATTENTION: resolve_vision_attention,
     ComponentKind.PAGED_DECODER_ATTENTION: resolve_paged_attention,
     ComponentKind.DEFORMABLE_ATTENTION: resolve_deformable_attention,
+    ComponentKind.DENSE_ATTENTION: resolve_dense_attention,
 }
 
 
@@ -46,15 +48,17 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                            device: str, kernels: Mapping[str, KernelFacts], emulated: bool = False,
                            row_reason: str = "", text_available: Mapping[str, tuple[bool, str]] | None = None,
                            consumers_needing_dense: tuple[str, ...] = (),
-                           deformable_available: Mapping[str, tuple[bool, str]] | None = None) -> RunPlan:
+                           deformable_available: Mapping[str, tuple[bool, str]] | None = None,
+                           dense_available: Mapping[str, tuple[bool, str]] | None = None) -> RunPlan:
     """The plan for a model's declared components. ``kernels``: vision attention backend name ->
     its facts and presence on this device (the backend objects': KernelRegistry.facts); a
     listed backend missing there is unavailable. ``text_available`` the same for the paged
     decoder backends, (present, reason) each (None: probe the built-ins on ``device``).
     ``consumers_needing_dense``: anything between the qkv projection and the kernel that needs
     contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout.
-    ``deformable_available``: the deformable attention backends, (present, reason) each (None:
-    the built-in ATen one)."""
+    ``deformable_available`` / ``dense_available``: the deformable and dense attention backends,
+    (present, reason) each (None: the built-in ATen ones). A model with deformable attention is a
+    layout detector: its graphs and masks are decided too."""
     request.validate()
     notes: list[str] = [f"row {row.name}: {row_reason}"] if row_reason else []
     by_kind = components_by_kind(components)
@@ -70,12 +74,15 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
         else text_available,
         ComponentKind.DEFORMABLE_ATTENTION: BUILTIN_DEFORMABLE if deformable_available is None
         else deformable_available,
+        ComponentKind.DENSE_ATTENTION: BUILTIN_DENSE if dense_available is None else dense_available,
     }
     chosen = {kind: resolve(KindContext(row, kind, by_kind[kind], request, dtype.value, available[kind], notes))
               for kind, resolve in KIND_RESOLVERS.items() if kind in by_kind}
     vision = chosen.get(ComponentKind.VISION_VARLEN_ATTENTION)
     text = chosen.get(ComponentKind.PAGED_DECODER_ATTENTION)
     deformable = chosen.get(ComponentKind.DEFORMABLE_ATTENTION)
+    dense = chosen.get(ComponentKind.DENSE_ATTENTION)
+    is_detector = ComponentKind.DEFORMABLE_ATTENTION in by_kind
     vision_component = by_kind.get(ComponentKind.VISION_VARLEN_ATTENTION)
     vk = VisionKernels(row, kernels, vision_component.head_dim if vision_component else 0, dtype.value)
     qkv = resolve_qkv_layout(vk, vision, request.qkv_layout, consumers_needing_dense)
@@ -91,6 +98,9 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                    decode_graphs=resolve_decode_graphs(row, gc, text), notes=tuple(notes),
                    deformable_attention=deformable.decision if deformable
                    else Decision(None, "the model has no deformable attention"),
+                   dense_attention=dense.decision if dense else Decision(None, "the model has no dense attention"),
+                   detector_graphs=resolve_detector_graphs(row, gc, is_detector),
+                   detector_masks=resolve_detector_masks(request.detector_masks, is_detector),
                    graph_split_oversize=gc.encoder_split_oversize_batches, components=tuple(components))
 
 

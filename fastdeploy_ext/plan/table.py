@@ -55,7 +55,15 @@ class DeformableAttentionEntry:
     dtypes: tuple[str, ...]
 
 
-KernelEntry = Union[AttentionEntry, TextAttentionEntry, DeformableAttentionEntry]
+@dataclass(frozen=True)
+class DenseAttentionEntry:
+    """A dense attention backend of a row (a detector's AIFI encoder layer: every page one
+    unmasked sequence of the same length, so a batch is one [B, H, N, Dh] call)."""
+    backend: str
+    dtypes: tuple[str, ...]
+
+
+KernelEntry = Union[AttentionEntry, TextAttentionEntry, DeformableAttentionEntry, DenseAttentionEntry]
 
 
 def _vision_entry(row: str, a: dict) -> AttentionEntry:
@@ -76,12 +84,19 @@ def _paged_entry(row: str, a: dict) -> TextAttentionEntry:
     return TextAttentionEntry(a["backend"], tuple(a["head_dims"]), tuple(a["dtypes"]), bool(a.get("graph_safe", False)))
 
 
-def _deformable_entry(row: str, a: dict) -> DeformableAttentionEntry:
-    unknown = set(a) - {"backend", "dtypes"}
-    if unknown:
-        raise ValueError(f"row {row}: {ComponentKind.DEFORMABLE_ATTENTION} entry {a.get('backend')!r} has unknown "
-                         f"keys {sorted(unknown)} (known: backend, dtypes)")
-    return DeformableAttentionEntry(a["backend"], tuple(a["dtypes"]))
+def _backend_dtypes_entry(kind: ComponentKind, cls):
+    """The parser of a kind whose entries give a backend and its dtypes only."""
+    def parse(row: str, a: dict):
+        unknown = set(a) - {"backend", "dtypes"}
+        if unknown:
+            raise ValueError(f"row {row}: {kind} entry {a.get('backend')!r} has unknown keys {sorted(unknown)} "
+                             "(known: backend, dtypes)")
+        return cls(a["backend"], tuple(a["dtypes"]))
+    return parse
+
+
+_deformable_entry = _backend_dtypes_entry(ComponentKind.DEFORMABLE_ATTENTION, DeformableAttentionEntry)
+_dense_entry = _backend_dtypes_entry(ComponentKind.DENSE_ATTENTION, DenseAttentionEntry)
 
 
 #: how a row's entry of each kind is read (a new kind adds its parser here)
@@ -89,6 +104,7 @@ ENTRY_PARSERS: dict[ComponentKind, Callable[[str, dict], KernelEntry]] = {
     ComponentKind.VISION_VARLEN_ATTENTION: _vision_entry,
     ComponentKind.PAGED_DECODER_ATTENTION: _paged_entry,
     ComponentKind.DEFORMABLE_ATTENTION: _deformable_entry,
+    ComponentKind.DENSE_ATTENTION: _dense_entry,
 }
 
 #: the keys rows used before ``kernels:``, and the kind each one lists

@@ -1,11 +1,15 @@
-"""PP-DocLayoutV3's config, read from the fields transformers' config.json holds (its
-``PPDocLayoutV3Config`` with an ``hgnet_v2`` backbone sub-config). The defaults are the released
-architecture's (HGNetV2-L, d_model 256, 300 queries, 6 decoder layers)."""
+"""The PP-DocLayout detectors' configs, read from the fields transformers' config.json holds
+(its ``PPDocLayoutV3Config`` / ``PPDocLayoutV2Config`` with an ``hgnet_v2`` backbone sub-config).
+``DetectorConfig`` is the RT-DETR-shaped detector both families share (backbone, hybrid encoder,
+deformable decoder); ``PPDocLayoutV3Config`` adds V3's mask branch and pointer head (V2's config,
+in models/pp_doclayout_v2/config.py, adds its reading-order network). The defaults are the
+released architecture's (HGNetV2-L, d_model 256, 300 queries, 6 decoder layers)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar
 
 from ..interface import CheckpointError
 
@@ -38,8 +42,26 @@ class BackboneConfig:
     out_indices: tuple[int, ...] = (1, 2, 3, 4)     # stage1..stage4 (0 is the stem)
 
 
+def pick_fields(klass, src: dict) -> dict:
+    """The keys of ``src`` that are fields of the dataclass ``klass`` (lists as tuples; None
+    values left to the field's default)."""
+    out = {}
+    for f in fields(klass):
+        if f.name in src and src[f.name] is not None:
+            v = src[f.name]
+            out[f.name] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
 @dataclass(frozen=True)
-class PPDocLayoutV3Config:
+class DetectorConfig:
+    """The detector both PP-DocLayout families share. Subclasses name their ``model_type`` and
+    the backbone stages their checkpoint's config lists (``backbone_out_indices``)."""
+    model_type: ClassVar[str] = ""
+    backbone_out_indices: ClassVar[tuple[int, ...]] = ()
+    #: sub-config fields built from their own config.json keys (``_sub_configs``), not picked by name
+    sub_config_fields: ClassVar[tuple[str, ...]] = ("backbone", "labels")
+
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     encoder_hidden_dim: int = 256
     encoder_in_channels: tuple[int, ...] = (512, 1024, 2048)
@@ -52,11 +74,7 @@ class PPDocLayoutV3Config:
     encoder_activation_function: str = "gelu"
     activation_function: str = "silu"
     hidden_expansion: float = 1.0
-    mask_feature_channels: tuple[int, ...] = (64, 64)
-    x4_feat_dim: int = 128
     d_model: int = 256
-    num_prototypes: int = 32
-    mask_enhanced: bool = True
     num_queries: int = 300
     decoder_in_channels: tuple[int, ...] = (256, 256, 256)
     decoder_ffn_dim: int = 1024
@@ -66,7 +84,6 @@ class PPDocLayoutV3Config:
     decoder_attention_heads: int = 8
     decoder_activation_function: str = "relu"
     anchor_image_size: tuple[int, int] | None = None
-    global_pointer_head_size: int = 64
     layer_norm_eps: float = 1e-5
     batch_norm_eps: float = 1e-5
     labels: tuple[str, ...] = RELEASED_LABELS
@@ -78,24 +95,26 @@ class PPDocLayoutV3Config:
         return len(self.labels)
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "PPDocLayoutV3Config":
-        def pick(klass, src: dict) -> dict:
-            out = {}
-            for f in fields(klass):
-                if f.name in src and src[f.name] is not None:
-                    v = src[f.name]
-                    out[f.name] = tuple(v) if isinstance(v, list) else v
-            return out
-        kw = pick(cls, d)
-        kw.pop("backbone", None)
-        kw.pop("labels", None)
+    def from_dict(cls, d: dict, source: str = "config"):
+        kw = pick_fields(cls, d)
+        for name in cls.sub_config_fields:
+            kw.pop(name, None)
+        kw.update(cls._sub_configs(d, source))
+        cfg = cls(**kw)
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def _sub_configs(cls, d: dict, source: str) -> dict[str, Any]:
+        """The ``sub_config_fields`` from ``d``: the backbone and the labels (id2label)."""
+        kw: dict[str, Any] = {}
         bb = d.get("backbone_config") or {}
         if not isinstance(bb, dict):
             raise CheckpointError(f"{source}: backbone_config must be a mapping")
         if bb.get("model_type", "hgnet_v2") != "hgnet_v2":
             raise CheckpointError(f"{source}: backbone_config.model_type {bb.get('model_type')!r}: only hgnet_v2 is "
                                   "supported")
-        kw["backbone"] = BackboneConfig(**pick(BackboneConfig, bb))
+        kw["backbone"] = BackboneConfig(**({"out_indices": cls.backbone_out_indices} | pick_fields(BackboneConfig, bb)))
         id2label = d.get("id2label")
         if isinstance(id2label, dict) and id2label:
             try:
@@ -105,12 +124,10 @@ class PPDocLayoutV3Config:
             if ids != list(range(len(ids))):
                 raise CheckpointError(f"{source}: id2label must number classes 0..{len(ids) - 1}")
             kw["labels"] = tuple(str(id2label[str(i)] if str(i) in id2label else id2label[i]) for i in ids)
-        cfg = cls(**kw)
-        cfg.validate(source)
-        return cfg
+        return kw
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "PPDocLayoutV3Config":
+    def from_model_dir(cls, model_dir: str):
         path = Path(model_dir) / "config.json"
         try:
             data = json.loads(path.read_text())
@@ -118,8 +135,8 @@ class PPDocLayoutV3Config:
             raise CheckpointError(f"{path}: no config.json in the model directory") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-        if data.get("model_type") not in (None, "pp_doclayout_v3"):
-            raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} is not pp_doclayout_v3")
+        if data.get("model_type") not in (None, cls.model_type):
+            raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} is not {cls.model_type}")
         # what this implementation does not build: refused by name rather than run wrongly
         for key, supported in (("learn_initial_query", False), ("normalize_before", False), ("eval_size", None)):
             if data.get(key, supported) != supported:
@@ -140,7 +157,23 @@ class PPDocLayoutV3Config:
             bad("encoder_in_channels and feat_strides differ in length")
         if self.backbone.use_learnable_affine_block:
             bad("backbone_config.use_learnable_affine_block is not supported")
-        if self.backbone.out_indices != (1, 2, 3, 4):
-            bad(f"backbone_config.out_indices {list(self.backbone.out_indices)}: only [1, 2, 3, 4] is supported")
+        if self.backbone.out_indices != self.backbone_out_indices:
+            bad(f"backbone_config.out_indices {list(self.backbone.out_indices)}: only "
+                f"{list(self.backbone_out_indices)} is supported")
         if self.encoder_hidden_dim % 4:
             bad("encoder_hidden_dim must be divisible by 4 (2D sine position embedding)")
+
+
+@dataclass(frozen=True)
+class PPDocLayoutV3Config(DetectorConfig):
+    """V3: the shared detector plus the encoder's mask prototypes (stride 4, so the backbone
+    also hands over its first stage) and the decoder's GlobalPointer reading-order head."""
+    model_type: ClassVar[str] = "pp_doclayout_v3"
+    backbone_out_indices: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
+
+    backbone: BackboneConfig = field(default_factory=lambda: BackboneConfig(out_indices=(1, 2, 3, 4)))
+    mask_feature_channels: tuple[int, ...] = (64, 64)
+    x4_feat_dim: int = 128
+    num_prototypes: int = 32
+    mask_enhanced: bool = True
+    global_pointer_head_size: int = 64

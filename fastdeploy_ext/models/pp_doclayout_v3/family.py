@@ -21,10 +21,13 @@ class PPDocLayoutV3Family(DetectorFamily):
         return PPDocLayoutV3Config.from_model_dir(model_dir)
 
     def components(self, cfg: PPDocLayoutV3Config) -> tuple[Component, ...]:
-        # the AIFI layer's attention is one dense sequence per page (SDPA); the decoder's
-        # cross-attention is the kernel that differs per device
-        heads = cfg.decoder_attention_heads
-        return (Component("decoder.cross_attention", ComponentKind.DEFORMABLE_ATTENTION, cfg.d_model // heads, heads),)
+        # the decoder's cross-attention samples the multi-scale maps (deformable); the hybrid
+        # encoder's AIFI layer attends within one feature map per page (dense: every page the
+        # same length)
+        heads, aifi_heads = cfg.decoder_attention_heads, cfg.encoder_attention_heads
+        return (Component("decoder.cross_attention", ComponentKind.DEFORMABLE_ATTENTION, cfg.d_model // heads, heads),
+                Component("encoder.aifi_attention", ComponentKind.DENSE_ATTENTION,
+                          cfg.encoder_hidden_dim // aifi_heads, aifi_heads))
 
     def load_detector(self, model_dir, *, dtype, device, cfg):
         from .loader import load_detector
@@ -36,6 +39,10 @@ class PPDocLayoutV3Family(DetectorFamily):
 
     def label_names(self, cfg: PPDocLayoutV3Config) -> tuple[str, ...]:
         return cfg.labels
+
+    def conformance_fixture(self, workdir: str):
+        from .conformance import PPDocLayoutV3Conformance
+        return PPDocLayoutV3Conformance(workdir)
 
     def postprocess(self, cfg, outputs, sizes, *, threshold):
         from .postprocess import detections

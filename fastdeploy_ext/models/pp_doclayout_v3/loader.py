@@ -1,12 +1,14 @@
 """Loads what transformers' ``save_pretrained`` writes for PPDocLayoutV3ForObjectDetection: one
 ``model.safetensors`` (or shards with ``model.safetensors.index.json``), tensors named
 ``model.<module path>``, the decoder's class and box heads absent (tied to the encoder's).
-The names match model.py's modules after the ``model.`` prefix, so a load is a checked copy."""
+The names match model.py's modules after the ``model.`` prefix, so a load is a checked copy
+(``load_checked``, which PP-DocLayoutV2's loader shares)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -64,8 +66,20 @@ def build_model(cfg: PPDocLayoutV3Config) -> PPDocLayoutV3:
 def load_detector(model_dir: str | None, *, dtype: torch.dtype, device: torch.device,
                   cfg: PPDocLayoutV3Config, seed: int = 0) -> tuple[PPDocLayoutV3, DetectorLoadReport]:
     """The detector with the checkpoint's weights (random ones, seeded, when ``model_dir`` is None)."""
+    return load_checked(build_model, model_dir, dtype=dtype, device=device, cfg=cfg, seed=seed, prefix=PREFIX,
+                        unused=lambda name: name in UNUSED_NAMES or name.endswith(UNUSED_SUFFIXES),
+                        family="PP-DocLayoutV3")
+
+
+def load_checked(build: Callable[[Any], torch.nn.Module], model_dir: str | None, *, dtype: torch.dtype,
+                 device: torch.device, cfg: Any, seed: int, prefix: str, unused: Callable[[str], bool],
+                 family: str) -> tuple[torch.nn.Module, DetectorLoadReport]:
+    """A detector family's checked load (both PP-DocLayout families): ``build(cfg)``, then every
+    written tensor either ``unused`` (counted as ignored) or, ``prefix`` stripped, one of the
+    module's own with its shape; none of the module's missing. Random weights (seeded, norms
+    with trained-like statistics) when ``model_dir`` is None."""
     torch.manual_seed(seed)
-    model = build_model(cfg)
+    model = build(cfg)
     if model_dir is None:
         _randomize_norms(model)
         return model.to(device=device, dtype=dtype), DetectorLoadReport(None, (), 0, 0, "dummy", "random weights")
@@ -74,20 +88,20 @@ def load_detector(model_dir: str | None, *, dtype: torch.dtype, device: torch.de
     ignored = 0
     loaded: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name in UNUSED_NAMES or name.endswith(UNUSED_SUFFIXES):
+        if unused(name):
             ignored += 1
             continue
-        if not name.startswith(PREFIX) or name[len(PREFIX):] not in expected:
-            raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} (not a PP-DocLayoutV3 parameter at "
+        if not name.startswith(prefix) or name[len(prefix):] not in expected:
+            raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} (not a {family} parameter at "
                                   "this config)")
-        key = name[len(PREFIX):]
+        key = name[len(prefix):]
         if tuple(t.shape) != tuple(expected[key].shape):
             raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {list(t.shape)}, the config gives "
                                   f"{list(expected[key].shape)}")
         loaded[key] = t
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise CheckpointError(f"{model_dir}: {len(missing)} tensors missing, e.g. {', '.join(PREFIX + m for m in missing[:3])}")
+        raise CheckpointError(f"{model_dir}: {len(missing)} tensors missing, e.g. {', '.join(prefix + m for m in missing[:3])}")
     model.load_state_dict(loaded, strict=True)
     return (model.to(device=device, dtype=dtype),
             DetectorLoadReport(str(model_dir), tuple(str(f) for f in files), len(loaded), ignored))

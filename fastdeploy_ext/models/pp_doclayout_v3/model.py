@@ -1,7 +1,9 @@
-"""PP-DocLayoutV3's modules: HGNetV2 backbone -> hybrid encoder (one AIFI attention layer over
-the stride-32 map, FPN + PAN of CSP-RepVGG blocks, the mask-prototype branch) -> two-stage query
-selection (top-k of the encoder's per-position class scores) -> a decoder whose cross-attention
-is multi-scale deformable attention (``grid_sample``) -> class, box and reading-order heads.
+"""The PP-DocLayout detectors' modules: HGNetV2 backbone -> hybrid encoder (one AIFI attention
+layer over the stride-32 map, FPN + PAN of CSP-RepVGG blocks, V3's mask-prototype branch) ->
+two-stage query selection (top-k of the encoder's per-position class scores) -> a decoder whose
+cross-attention is multi-scale deformable attention (``grid_sample``) -> class and box heads.
+``DetectorCore`` is that shared detector (PP-DocLayoutV2 builds on it: models/pp_doclayout_v2/);
+``PPDocLayoutV3`` adds V3's mask branch and its GlobalPointer reading-order head.
 
 Parameter names follow the tensor names transformers' ``save_pretrained`` writes under its
 ``model.`` prefix (loader.py strips it), so loading is a name-for-name copy.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.attention.deformable import deformable_sample
-from .config import BackboneConfig, PPDocLayoutV3Config
+from .config import BackboneConfig, DetectorConfig, PPDocLayoutV3Config
 
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu, "silu": F.silu, "gelu": F.gelu, "identity": lambda x: x}
@@ -185,6 +187,7 @@ class SelfAttention(nn.Module):
         self.heads, self.head_dim = heads, dim // heads
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.attend: Callable = F.scaled_dot_product_attention      # the plan's dense attention kernel
 
     def forward(self, x, pos):
         b, n, d = x.shape
@@ -192,7 +195,7 @@ class SelfAttention(nn.Module):
         q = self.q_proj(qk_in).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(qk_in).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v)
+        o = self.attend(q, k, v)
         return self.out_proj(o.transpose(1, 2).reshape(b, n, d))
 
 
@@ -226,7 +229,7 @@ def sine_position_embedding(h: int, w: int, dim: int, temperature: float, *, dev
 
 
 class _AIFI(nn.Module):
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, cfg: DetectorConfig):
         super().__init__()
         self.dim, self.temperature = cfg.encoder_hidden_dim, cfg.positional_encoding_temperature
         self.layers = nn.ModuleList(
@@ -254,7 +257,7 @@ class _RepVGG(nn.Module):
 
 
 class _CSPRep(nn.Module):
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, cfg: DetectorConfig):
         super().__init__()
         cin, cout, act, eps = 2 * cfg.encoder_hidden_dim, cfg.encoder_hidden_dim, cfg.activation_function, cfg.batch_norm_eps
         hidden = int(cout * cfg.hidden_expansion)
@@ -317,11 +320,12 @@ class _MaskOutput(nn.Module):
 
 class HybridEncoder(nn.Module):
     """AIFI on the listed levels, a top-down FPN and a bottom-up PAN (CSP-RepVGG fusion), and
-    the mask prototypes (stride 4) from the PAN maps plus the backbone's stride-4 map."""
+    with ``mask_branch`` (V3) the mask prototypes (stride 4) from the PAN maps plus the
+    backbone's stride-4 map."""
 
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, cfg: DetectorConfig, mask_branch: bool):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.mask_branch = cfg, mask_branch
         d, act, eps = cfg.encoder_hidden_dim, cfg.activation_function, cfg.batch_norm_eps
         n = len(cfg.encoder_in_channels) - 1
         # named "encoder" in the checkpoint (transformers' converted name for its AIFI list)
@@ -330,11 +334,12 @@ class HybridEncoder(nn.Module):
         self.fpn_blocks = nn.ModuleList(_CSPRep(cfg) for _ in range(n))
         self.downsample_convs = nn.ModuleList(ConvBN(d, d, 3, 2, act=act, eps=eps, short_names=True) for _ in range(n))
         self.pan_blocks = nn.ModuleList(_CSPRep(cfg) for _ in range(n))
-        self.mask_feature_head = _MaskFPN(cfg)
-        self.encoder_mask_lateral = ConvBN(cfg.x4_feat_dim, cfg.mask_feature_channels[1], 3, act="silu")
-        self.encoder_mask_output = _MaskOutput(cfg.mask_feature_channels[1], cfg.num_prototypes)
+        if mask_branch:
+            self.mask_feature_head = _MaskFPN(cfg)
+            self.encoder_mask_lateral = ConvBN(cfg.x4_feat_dim, cfg.mask_feature_channels[1], 3, act="silu")
+            self.encoder_mask_output = _MaskOutput(cfg.mask_feature_channels[1], cfg.num_prototypes)
 
-    def forward(self, maps: list[torch.Tensor], x4: torch.Tensor, with_mask_feat: bool):
+    def forward(self, maps: list[torch.Tensor], x4: torch.Tensor | None, with_mask_feat: bool):
         maps = list(maps)
         if self.cfg.encoder_layers > 0:
             for aifi, level in zip(self.encoder, self.cfg.encode_proj_layers):
@@ -352,6 +357,8 @@ class HybridEncoder(nn.Module):
             pan.append(block(torch.cat([down(pan[-1]), fpn[idx + 1]], 1)))
         if not with_mask_feat:
             return pan, None
+        if not self.mask_branch:
+            raise ValueError("this detector has no mask branch")
         mask_feat = F.interpolate(self.mask_feature_head(pan), scale_factor=2, mode="bilinear", align_corners=False)
         mask_feat = self.encoder_mask_output(mask_feat + self.encoder_mask_lateral(x4))
         return pan, mask_feat
@@ -359,7 +366,7 @@ class HybridEncoder(nn.Module):
 
 # ---------------------------------------------------------------------------------- decoder
 class DeformableAttention(nn.Module):
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, cfg: DetectorConfig):
         super().__init__()
         d, self.heads = cfg.d_model, cfg.decoder_attention_heads
         self.levels, self.points = cfg.num_feature_levels, cfg.decoder_n_points
@@ -382,7 +389,7 @@ class DeformableAttention(nn.Module):
 
 
 class DecoderLayer(TransformerLayer):
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, cfg: DetectorConfig):
         super().__init__(cfg.d_model, cfg.decoder_attention_heads, cfg.decoder_ffn_dim,
                          cfg.decoder_activation_function, cfg.layer_norm_eps)
         self.encoder_attn = DeformableAttention(cfg)
@@ -411,19 +418,27 @@ class MLP(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    """The decoder layers and the query-position head; with ``per_layer_heads`` (V2, RT-DETR's
+    layout) also a class and a box head per layer (``class_embed``, ``bbox_embed``), where V3
+    ties every layer to the encoder's heads."""
+
+    def __init__(self, cfg: DetectorConfig, per_layer_heads: bool):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.query_pos_head = MLP(4, 2 * cfg.d_model, cfg.d_model, 2)
+        if per_layer_heads:
+            self.class_embed = nn.ModuleList(nn.Linear(cfg.d_model, cfg.num_labels) for _ in self.layers)
+            self.bbox_embed = nn.ModuleList(MLP(cfg.d_model, cfg.d_model, 4, 3) for _ in self.layers)
 
 
 class GlobalPointer(nn.Module):
-    """Pairwise reading-order logits: (q_i . k_j) / sqrt(head) for i < j, -1e4 on and below the diagonal."""
+    """Pairwise reading-order logits: (q_i . k_j) / sqrt(head) for i < j, -1e4 on and below the
+    diagonal (V3's decoder head; V2's reading-order network ends in one too)."""
 
-    def __init__(self, cfg: PPDocLayoutV3Config):
+    def __init__(self, dim: int, head_size: int):
         super().__init__()
-        self.head = cfg.global_pointer_head_size
-        self.dense = nn.Linear(cfg.d_model, 2 * self.head)
+        self.head = head_size
+        self.dense = nn.Linear(dim, 2 * self.head)
 
     def forward(self, x):
         b, n, _ = x.shape
@@ -469,37 +484,58 @@ class DetectorOutputs:
     out_masks: torch.Tensor | None = None   # [B, Q, h/4, w/4] only when masks are asked for
 
 
-class PPDocLayoutV3(nn.Module):
-    """The detector. ``forward(pixels [B, 3, H, W] in [0, 1]) -> DetectorOutputs``."""
+@dataclass
+class DecoderState:
+    """What the shared detector hands its family's heads: the last decoder layer's hidden states
+    and boxes, the encoder's scores before the top-k, and the mask features (V3, when computed)."""
+    hidden: torch.Tensor                    # [B, Q, d] the last decoder layer's output
+    boxes: torch.Tensor                     # [B, Q, 4] (cx, cy, w, h) in [0, 1] after the last refinement
+    enc_outputs_class: torch.Tensor
+    enc_outputs_coord_logits: torch.Tensor
+    mask_feat: torch.Tensor | None
 
-    def __init__(self, cfg: PPDocLayoutV3Config):
+
+class DetectorCore(nn.Module):
+    """The RT-DETR-shaped detector both PP-DocLayout families share: backbone, encoder
+    projections, hybrid encoder, two-stage query selection, the deformable decoder with its box
+    refinement. ``mask_branch``: the encoder's mask prototypes (V3). ``per_layer_heads``: the
+    decoder's own heads per layer (V2) instead of the encoder's heads tied (V3). A family's
+    module subclasses it and adds its heads (``run`` -> DecoderState)."""
+
+    def __init__(self, cfg: DetectorConfig, *, mask_branch: bool, per_layer_heads: bool):
         super().__init__()
         self.cfg = cfg
         d, eps = cfg.d_model, cfg.layer_norm_eps
         self.backbone = _BackboneHolder(cfg.backbone)
         outs = cfg.backbone.stage_out_channels
-        # the stride-4 stage feeds the mask branch only; strides 8/16/32 are projected for the encoder
+        # the encoder gets the last len(feat_strides) stages (strides 8/16/32); V3's mask branch
+        # also takes the stride-4 stage
         self.encoder_input_proj = nn.ModuleList(
             nn.Sequential(nn.Conv2d(c, cfg.encoder_hidden_dim, 1, bias=False), BatchNorm(cfg.encoder_hidden_dim))
-            for c in outs[1:])
-        self.encoder = HybridEncoder(cfg)
+            for c in outs[-len(cfg.feat_strides):])
+        self.encoder = HybridEncoder(cfg, mask_branch)
         self.enc_output = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d, eps=eps))
         self.enc_score_head = nn.Linear(d, cfg.num_labels)
         self.enc_bbox_head = MLP(d, d, 4, 3)
         self.decoder_input_proj = nn.ModuleList(
             nn.Sequential(nn.Conv2d(c, d, 1, bias=False), BatchNorm(d, cfg.batch_norm_eps))
             for c in cfg.decoder_in_channels)
-        self.decoder = Decoder(cfg)
-        self.decoder_order_head = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.decoder_layers))
-        self.decoder_global_pointer = GlobalPointer(cfg)
-        self.decoder_norm = nn.LayerNorm(d, eps=eps)
-        self.mask_query_head = MLP(d, d, cfg.num_prototypes, 3)
-        #: compute the last layer's mask outputs (``out_masks``): off unless asked (the plan's decision)
-        self.with_masks = False
+        self.decoder = Decoder(cfg, per_layer_heads)
+        self.per_layer_heads = per_layer_heads
 
     def set_deformable_kernel(self, kernel: Callable) -> None:
         for layer in self.decoder.layers:
             layer.encoder_attn.kernel = kernel
+
+    def set_aifi_attention(self, attend: Callable) -> None:
+        """The dense attention kernel of the hybrid encoder's AIFI layers ((q, k, v) -> out)."""
+        for aifi in self.encoder.encoder:
+            for layer in aifi.layers:
+                layer.self_attn.attend = attend
+
+    def box_head(self, layer: int) -> nn.Module:
+        """The head that refines the boxes after decoder layer ``layer``."""
+        return self.decoder.bbox_embed[layer] if self.per_layer_heads else self.enc_bbox_head
 
     @staticmethod
     def anchors(shapes: list[tuple[int, int]], *, device, dtype, grid: float = 0.05):
@@ -518,13 +554,17 @@ class PPDocLayoutV3(nn.Module):
                                                                       dtype=dtype))
         return logit, valid
 
-    def forward(self, pixels: torch.Tensor) -> DetectorOutputs:
+    def initial_reference(self, target: torch.Tensor, enc_coord: torch.Tensor, topk: torch.Tensor,
+                          mask_feat: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's initial boxes (as logits): the top-k positions' encoder boxes."""
+        return enc_coord.gather(1, topk[..., None].expand(-1, -1, 4))
+
+    def run(self, pixels: torch.Tensor, with_mask_feat: bool = False) -> DecoderState:
         cfg = self.cfg
         feats = self.backbone.model(pixels)
-        x4, rest = feats[0], feats[1:]
+        x4, rest = feats[0], feats[-len(cfg.feat_strides):]
         proj = [p(f) for p, f in zip(self.encoder_input_proj, rest)]
-        need_mask_feat = cfg.mask_enhanced or self.with_masks
-        pan, mask_feat = self.encoder(proj, x4, need_mask_feat)
+        pan, mask_feat = self.encoder(proj, x4, with_mask_feat)
         sources = [p(m) for p, m in zip(self.decoder_input_proj, pan)]
         shapes = [tuple(s.shape[-2:]) for s in sources]
         memory = torch.cat([s.flatten(2).transpose(1, 2) for s in sources], 1)
@@ -539,24 +579,46 @@ class PPDocLayoutV3(nn.Module):
         enc_coord = self.enc_bbox_head(out_mem) + anchors
         topk = torch.topk(enc_class.max(-1).values, cfg.num_queries, dim=1).indices
         target = out_mem.gather(1, topk[..., None].expand(-1, -1, out_mem.shape[-1]))
-        if cfg.mask_enhanced:
-            # the initial boxes are the top-k queries' encoder masks' bounding boxes
-            mq = self.mask_query_head(self.decoder_norm(target))
-            masks = torch.bmm(mq, mask_feat.flatten(2)).view(*mq.shape[:2], *mask_feat.shape[-2:])
-            ref_unact = inverse_sigmoid(mask_boxes(masks > 0, masks.dtype))
-        else:
-            ref_unact = enc_coord.gather(1, topk[..., None].expand(-1, -1, 4))
-        ref = ref_unact.sigmoid()
+        ref = self.initial_reference(target, enc_coord, topk, mask_feat).sigmoid()
         h = target
-        for layer in self.decoder.layers:
+        for i, layer in enumerate(self.decoder.layers):
             pos = self.decoder.query_pos_head(ref)
             h = layer(h, pos, memory, ref, shapes)
-            ref = (self.enc_bbox_head(h) + inverse_sigmoid(ref)).sigmoid()   # the box head is tied to the encoder's
-        out = self.decoder_norm(h)
-        logits = self.enc_score_head(out)                                    # the class head too
+            ref = (self.box_head(i)(h) + inverse_sigmoid(ref)).sigmoid()
+        return DecoderState(h, ref, enc_class, enc_coord, mask_feat)
+
+
+class PPDocLayoutV3(DetectorCore):
+    """The detector. ``forward(pixels [B, 3, H, W] in [0, 1]) -> DetectorOutputs``: the shared
+    detector with the encoder's heads tied to every decoder layer, the mask branch, and the
+    GlobalPointer reading-order head on the last layer."""
+
+    def __init__(self, cfg: PPDocLayoutV3Config):
+        super().__init__(cfg, mask_branch=True, per_layer_heads=False)
+        d, eps = cfg.d_model, cfg.layer_norm_eps
+        self.decoder_order_head = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.decoder_layers))
+        self.decoder_global_pointer = GlobalPointer(d, cfg.global_pointer_head_size)
+        self.decoder_norm = nn.LayerNorm(d, eps=eps)
+        self.mask_query_head = MLP(d, d, cfg.num_prototypes, 3)
+        #: compute the last layer's mask outputs (``out_masks``): off unless asked (the plan's decision)
+        self.with_masks = False
+
+    def initial_reference(self, target, enc_coord, topk, mask_feat):
+        if not self.cfg.mask_enhanced:
+            return super().initial_reference(target, enc_coord, topk, mask_feat)
+        # the initial boxes are the top-k queries' encoder masks' bounding boxes
+        mq = self.mask_query_head(self.decoder_norm(target))
+        masks = torch.bmm(mq, mask_feat.flatten(2)).view(*mq.shape[:2], *mask_feat.shape[-2:])
+        return inverse_sigmoid(mask_boxes(masks > 0, masks.dtype))
+
+    def forward(self, pixels: torch.Tensor) -> DetectorOutputs:
+        # the mask prototypes are needed whenever mask_enhanced places the initial boxes
+        st = self.run(pixels, with_mask_feat=self.cfg.mask_enhanced or self.with_masks)
+        out = self.decoder_norm(st.hidden)
+        logits = self.enc_score_head(out)                                    # the class head is tied too
         order = self.decoder_global_pointer(self.decoder_order_head[len(self.decoder.layers) - 1](out))
         out_masks = None
         if self.with_masks:
             mq = self.mask_query_head(out)
-            out_masks = torch.bmm(mq, mask_feat.flatten(2)).view(*mq.shape[:2], *mask_feat.shape[-2:])
-        return DetectorOutputs(logits, ref, order, enc_class, enc_coord, out_masks)
+            out_masks = torch.bmm(mq, st.mask_feat.flatten(2)).view(*mq.shape[:2], *st.mask_feat.shape[-2:])
+        return DetectorOutputs(logits, st.boxes, order, st.enc_outputs_class, st.enc_outputs_coord_logits, out_masks)

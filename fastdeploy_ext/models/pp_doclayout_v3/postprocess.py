@@ -60,7 +60,10 @@ def detections(logits: torch.Tensor, pred_boxes: torch.Tensor, order_logits: tor
         keep = scores[b] >= threshold
         s, k, qi = scores[b][keep], cls[b][keep], query[b][keep]
         r = ranks[b][qi]
-        order = torch.sort(r, stable=True).indices      # stable: one query's classes keep score order
+        # the reference's own (unstable) sort on the same tensor: one query kept under two classes
+        # shares a rank, and which class comes first is that sort's choice, so only the same op
+        # on the same host tensor reproduces transformers' order (tests/test_pp_doclayout_v2.py)
+        order = torch.sort(r).indices
         out.append([Detection(labels[int(k[i])], int(k[i]), float(s[i]),
                               tuple(float(v) for v in boxes[b, int(qi[i])]), int(r[i])) for i in order])
     return out

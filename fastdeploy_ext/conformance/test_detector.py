@@ -1,0 +1,96 @@
+"""The layout detector family on the backend under test (``--fdx-detector-family``, default the
+default detector family): fp32 parity of the model outputs with transformers (shipped, and live
+where transformers imports), post-processed detections equal to the goldens, the plan's detector
+decisions, no host sync on the host path of detect, and on CUDA graph replay == eager bitwise."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from ..plan import DEFAULT_DETECTOR_CAPTURE_SIZES, DETECTOR_GRAPH_KIND, ComponentKind, GraphOptimizationConfig
+from .detector_checks import OUTPUTS, check_detections, check_outputs, check_topk_margin
+
+pytestmark = pytest.mark.fdx_detector
+
+
+def fp32_exact():
+    """fp32 means fp32 for the parity check: cuDNN's TF32 convolutions (torch's default on
+    CUDA) are a precision choice of their own, not what the reference computes."""
+    if torch.cuda.is_available():
+        return torch.backends.cudnn.flags(enabled=True, allow_tf32=False)
+    return contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def runner(make_detector_runner, detect_case):
+    return make_detector_runner(detect_case.model_dir, dtype="float32")
+
+
+def test_detector_outputs_match_transformers_in_fp32(runner, detect_case):
+    with fp32_exact():
+        got = runner.detect_device(detect_case.pixels)
+    expected = detect_case.expected()
+    assert "shipped" in expected
+    for source, want in expected.items():
+        check_topk_margin(want["enc_outputs_class"], detect_case.num_queries, detect_case.topk_margin)
+        errors = check_outputs(got, want, detect_case.tolerance, source)
+        print(f"{source}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert got.out_masks is None            # masks off: the plan's default
+
+
+def test_detections_equal_the_goldens(runner, detect_case):
+    with fp32_exact():
+        got = runner.detect(detect_case.pixels, detect_case.sizes, threshold=detect_case.threshold)
+    assert all(len(page) > 0 for page in got), "the goldens keep detections on every page"
+    check_detections(got, detect_case.golden)
+
+
+def test_the_plan_decides_every_detector_component(runner):
+    plan, row = runner.plan, runner.row
+    assert plan.is_detector
+    assert plan.kernel(ComponentKind.DEFORMABLE_ATTENTION).value in {e.backend for e in
+                                                                     row.entries(ComponentKind.DEFORMABLE_ATTENTION)}
+    assert plan.kernel(ComponentKind.DENSE_ATTENTION).value in {e.backend for e in
+                                                                row.entries(ComponentKind.DENSE_ATTENTION)}
+    assert plan.detector_masks.value is False and "off unless asked" in plan.detector_masks.reason
+    if DETECTOR_GRAPH_KIND in row.graph_kinds and row.graphs_default:
+        assert plan.detector_graphs.value == DEFAULT_DETECTOR_CAPTURE_SIZES
+    else:
+        assert plan.detector_graphs.value == () and plan.detector_graphs.reason.startswith("off: ")
+    report = runner.describe()
+    for key in ("deformable_attention", "aifi_attention", "detector_graphs", "masks"):
+        assert key in report
+
+
+def test_detector_host_path_makes_no_sync(runner, detect_case):
+    checked = runner.detector_sync_check_runner()
+    if runner.device.type == "cpu":
+        assert checked.device.type == "meta"
+        assert all(p.device.type == "meta" for p in checked.detector.parameters())
+    else:
+        assert checked is runner
+    checked.detect_device(detect_case.pixels)            # warm
+    with checked.sync_guard():
+        out = checked.detect_device(detect_case.pixels)
+    assert {getattr(out, k).device.type for k in OUTPUTS} == {checked.device.type}
+
+
+@pytest.mark.fdx_device("cuda")
+def test_detector_graph_replay_equals_eager_bitwise(make_detector_runner, detect_case):
+    r = make_detector_runner(detect_case.model_dir, dtype="float32",
+                             graph_config=GraphOptimizationConfig(use_detector_cudagraph=True,
+                                                                  detector_capture_sizes=(1, 2, 4)))
+    report = r.capture_detector_graphs()
+    assert report.captured == 3
+    pixels = torch.cat([detect_case.pixels, detect_case.pixels[:1]]).to(r.device)      # 3 pages -> bucket 4
+    with torch.inference_mode():
+        replayed = r.detect_uploaded(pixels)
+        graph = r.detector_graphs.graphs[4]
+        eager = graph.eager()                         # the same padded buffer, eager
+        unpadded = r.detector(pixels)
+    for k in OUTPUTS:
+        assert torch.equal(getattr(replayed, k), getattr(eager, k)[:3]), k
+        assert (getattr(replayed, k) - getattr(unpadded, k)).abs().nan_to_num().max().item() <= 1e-4, k
+    assert r.detector_graphs.stats.per_bucket == {4: 1}

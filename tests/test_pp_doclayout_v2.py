@@ -1,0 +1,354 @@
+"""PP-DocLayoutV2 as a detector family: our modules vs transformers' PPDocLayoutV2ForObjectDetection
+on a tiny random config (same weights: built by transformers, written by save_pretrained, read by
+our loader; fp32 on the CPU), the reading-order network alone at the edges (nothing kept,
+everything kept), the post-processing against transformers' own post-processing code, the config
+and loader guards, fault injections that the parity check must see (a wrong class order, a
+stable kept-first sort), and the family through the runner, ``Detector`` and ``detect``."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdeploy_ext.models.interface import CheckpointError, DetectorFamily
+from fastdeploy_ext.models.pp_doclayout_v2 import model as v2model
+from fastdeploy_ext.models.pp_doclayout_v2.config import PPDocLayoutV2Config
+from fastdeploy_ext.models.pp_doclayout_v2.loader import UNUSED_NAMES, load_detector
+from fastdeploy_ext.models.pp_doclayout_v3.config import RELEASED_LABELS
+from fastdeploy_ext.models.pp_doclayout_v3.postprocess import detections
+from fastdeploy_ext.models.registry import BUILTIN_FAMILIES, available_families, detect_family, get_family
+
+from . import pp_doclayout_v2_fixture as fx
+
+CPU = torch.device("cpu")
+OUTPUTS = ("logits", "pred_boxes", "order_logits", "enc_outputs_class", "enc_outputs_coord_logits")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp_doclayout_v2_tiny")
+    ref = fx.write_model(path)
+    return path, ref
+
+
+@pytest.fixture(scope="module")
+def ours(tiny):
+    path, _ = tiny
+    cfg = PPDocLayoutV2Config.from_model_dir(str(path))
+    model, report = load_detector(str(path), dtype=torch.float32, device=CPU, cfg=cfg)
+    return model, report, cfg
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny, ours):
+    """Both models on the sample pixels (batch 2)."""
+    pixels = fx.sample_pixels()
+    with torch.no_grad():
+        return tiny[1](pixel_values=pixels), ours[0](pixels)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs error over finite entries; the non-finite ones (anchors outside the page are the
+    dtype's max) must sit at the same places with the same values."""
+    fin = torch.isfinite(a)
+    assert torch.equal(fin, torch.isfinite(b))
+    assert torch.equal(a[~fin], b[~fin])
+    return (a[fin] - b[fin]).abs().max().item()
+
+
+def kept_counts(ref, logits: torch.Tensor) -> list[int]:
+    best, cls = logits.max(-1)
+    return (best.sigmoid() >= torch.tensor(ref.config.class_thresholds)[cls]).sum(1).tolist()
+
+
+# ---------------------------------------------------------------------------------- the seam
+def test_the_registry_finds_v2_from_the_tree_and_by_model_type(tiny):
+    # the built-in list names it, so the registry finds it whatever the installed metadata says
+    assert BUILTIN_FAMILIES["pp_doclayout_v2"] == "fastdeploy_ext.models.pp_doclayout_v2.family:PPDocLayoutV2Family"
+    assert issubclass(available_families()["pp_doclayout_v2"], DetectorFamily)
+    choice = detect_family(str(tiny[0]))
+    assert choice.family.name == "pp_doclayout_v2" and "pp_doclayout_v2" in choice.reason
+    family = get_family("pp_doclayout_v2")
+    assert family.label_names(family.read_config(str(tiny[0]))) == RELEASED_LABELS
+
+
+# ---------------------------------------------------------------------------------- config and loader
+def test_the_config_reads_thresholds_order_and_the_reading_order_network(ours):
+    _, _, cfg = ours
+    assert cfg.class_thresholds == pytest.approx(tuple(json.loads(
+        (Path(ours[1].model_dir) / "config.json").read_text())["class_thresholds"]))
+    assert cfg.class_order == tuple(fx.CLASS_ORDER) and cfg.backbone.out_indices == (2, 3, 4)
+    ro = cfg.reading_order
+    assert (ro.hidden_size, ro.num_attention_heads, ro.num_hidden_layers, ro.num_classes) == (32, 2, 2, 20)
+    default = PPDocLayoutV2Config()         # the released architecture (no checkpoint here)
+    assert (default.reading_order.hidden_size, default.reading_order.num_attention_heads,
+            default.reading_order.intermediate_size, default.reading_order.num_hidden_layers) == (512, 8, 2048, 6)
+
+
+def test_at_the_default_config_ours_has_the_references_tensors():
+    """At the released sizes (both built on ``meta``: no weights), the reference's tensors less
+    those the loader ignores have exactly our shapes (the names differ only where save_pretrained
+    converts them, which the tiny checkpoint's load covers)."""
+    from transformers import PPDocLayoutV2Config as RefConfig, PPDocLayoutV2ForObjectDetection
+    from fastdeploy_ext.models.pp_doclayout_v2.loader import UNUSED_SUFFIXES
+    cfg = PPDocLayoutV2Config()
+    with torch.device("meta"):
+        ref = PPDocLayoutV2ForObjectDetection(RefConfig(
+            id2label=dict(enumerate(cfg.labels)), class_thresholds=list(cfg.class_thresholds),
+            class_order=list(cfg.class_order)))
+        ours = v2model.PPDocLayoutV2(cfg)
+    want = sorted(tuple(t.shape) for n, t in ref.state_dict().items()
+                  if n not in UNUSED_NAMES and not n.endswith(UNUSED_SUFFIXES))
+    assert sorted(tuple(t.shape) for t in ours.state_dict().values()) == want
+    assert 50e6 < sum(p.numel() for p in ours.parameters()) < 56e6
+
+
+def test_a_config_v2_cannot_run_is_refused_by_field(tiny, tmp_path):
+    data = json.loads((tiny[0] / "config.json").read_text())
+    cases = [({"class_order": None}, "class_order is missing"),
+             ({"class_thresholds": [0.5] * 3}, "class_thresholds has 3 entries for 25 classes"),
+             ({"class_order": [25] * 25}, r"class_order entries must be reading-order class ids in \[0, 20\)"),
+             ({"reading_order_config": dict(data["reading_order_config"], max_position_embeddings=10)},
+              "max_position_embeddings 10 < num_queries"),
+             ({"reading_order_config": dict(data["reading_order_config"], has_spatial_attention_bias=False)},
+              "has_spatial_attention_bias"),
+             ({"model_type": "pp_doclayout_v3"}, "is not pp_doclayout_v2")]
+    for change, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps(data | change))
+        with pytest.raises(CheckpointError, match=message):
+            PPDocLayoutV2Config.from_model_dir(str(tmp_path))
+
+
+def test_the_loader_reads_what_save_pretrained_writes(tiny, ours):
+    from safetensors.torch import load_file
+    path, _ = tiny
+    model, report, _ = ours
+    written = load_file(str(path / "model.safetensors"))
+    state = model.state_dict()
+    # every written tensor is loaded under its own name or knowingly ignored; every one of ours is loaded
+    ignored = {n for n in written if n not in state}
+    assert ignored == set(UNUSED_NAMES) | {n for n in written if n.endswith(".num_batches_tracked")}
+    assert report.tensors_loaded == len(state) and report.tensors_loaded + report.tensors_ignored == len(written)
+    assert all(torch.equal(state[n], t) for n, t in written.items() if n in state)
+    assert any(n.startswith("reading_order.") for n in state) and any(n.startswith("model.decoder.class_embed.")
+                                                                        for n in state)
+
+
+def test_a_bad_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path, _ = tiny
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    cfg = PPDocLayoutV2Config.from_model_dir(str(path))
+    name = "reading_order.relative_head.dense.weight"
+    save_file({n: t for n, t in tensors.items() if n != name}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"missing.*{name}"):
+        load_detector(str(tmp_path), dtype=torch.float32, device=CPU, cfg=cfg)
+    save_file(tensors | {"reading_order.extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'reading_order.extra.weight'.*PP-DocLayoutV2"):
+        load_detector(str(tmp_path), dtype=torch.float32, device=CPU, cfg=cfg)
+
+
+# ---------------------------------------------------------------------------------- parity
+def test_fp32_parity_with_transformers(tiny, ours, outputs):
+    _, ref = tiny
+    _, _, cfg = ours
+    want, got = outputs
+    # the fixture's seed keeps fp32 rounding from swapping the encoder's top-k
+    scores = want.enc_outputs_class.max(-1).values.sort(-1, descending=True).values
+    k = cfg.num_queries
+    assert (scores[:, k - 1] - scores[:, k]).min().item() >= 1e-3
+    # the thresholds keep a strict part of the queries: the reading-order network sees padding
+    assert all(0 < n < k for n in kept_counts(ref, want.logits))
+    for name in OUTPUTS:
+        a, b = getattr(want, name), getattr(got, name)
+        assert a.shape == b.shape, name
+        assert max_err(a, b) <= 1e-4, name
+    assert got.out_masks is None
+
+
+@pytest.mark.parametrize("kept", ["none", "all"])
+def test_the_reading_order_network_alone_at_the_edges(tiny, ours, kept):
+    """The network on hand-made inputs where nothing is kept (only start and end tokens are real)
+    and where every query is kept (no padding), against transformers' network."""
+    ref_net, net = tiny[1].reading_order, ours[0].reading_order
+    g = torch.Generator().manual_seed(1)
+    q = ours[2].num_queries
+    xy = torch.rand(2, q, 2, generator=g) * 800
+    boxes = torch.cat([xy, xy + torch.rand(2, q, 2, generator=g) * 200], -1).clamp(0, 1000)
+    labels = torch.randint(0, 20, (2, q), generator=g)
+    mask = torch.full((2, q), kept == "all")
+    if kept == "none":
+        boxes, labels = torch.zeros_like(boxes), torch.zeros_like(labels)
+    with torch.no_grad():
+        want = ref_net(boxes=boxes, labels=labels, mask=mask)[:, :, :q]
+        got = net(boxes, labels, mask.sum(1))
+    assert max_err(want, got) <= 1e-4
+
+
+def test_bf16_runs_and_stays_close_before_the_top_k(tiny, ours):
+    path, _ = tiny
+    model32, _, cfg = ours
+    model16, _ = load_detector(str(path), dtype=torch.bfloat16, device=CPU, cfg=cfg)
+    pixels = fx.sample_pixels(1)
+    with torch.no_grad():
+        a, b = model32(pixels), model16(pixels.bfloat16())
+    assert b.logits.dtype == torch.bfloat16 and torch.isfinite(b.order_logits).all()
+    assert model16.threshold_bits.view(torch.float32).tolist() == pytest.approx(cfg.class_thresholds, abs=1e-7)
+    cos = torch.nn.functional.cosine_similarity(a.enc_outputs_class.flatten(), b.enc_outputs_class.float().flatten(), 0)
+    assert cos.item() >= 0.99
+
+
+def test_a_wrong_class_order_fails_parity(tiny, ours, outputs, monkeypatch):
+    """Fault injection: the identity instead of the config's class order (the relabelling
+    skipped) must move the order logits past the tolerance."""
+    model = ours[0]
+    want, _ = outputs
+    monkeypatch.setattr(model, "class_order", torch.arange(len(fx.CLASS_ORDER)) % 20)
+    with torch.no_grad():
+        got = model(fx.sample_pixels())
+    assert max_err(want.logits, got.logits) <= 1e-4          # the detector is untouched
+    assert max_err(want.order_logits, got.order_logits) > 1e-4
+
+
+def test_a_stable_kept_first_sort_fails_parity(tiny, ours, outputs, monkeypatch):
+    """Why the kept-first reorder uses the reference's own (unstable) sort: a stable one feeds the
+    network the same boxes in another order, which its position embeddings see."""
+    model = ours[0]
+    want, _ = outputs
+    real = torch.argsort
+    monkeypatch.setattr(v2model.torch, "argsort", lambda t, **kw: real(t, **kw, stable=True))
+    with torch.no_grad():
+        got = model(fx.sample_pixels())
+    monkeypatch.undo()
+    assert max_err(want.order_logits, got.order_logits) > 1e-4
+
+
+# ---------------------------------------------------------------------------------- post-processing
+def transformers_postprocess():
+    """transformers' own ``PPDocLayoutV2ImageProcessor.post_process_object_detection`` and the
+    ``_get_order_seqs`` it calls, compiled from its source file: the module imports torchvision
+    at import time (not installed here, and PyPI's does not load with this CPU torch), while these
+    two methods use torch only. Decorators and annotations are dropped (they name torchvision-era
+    types); the bodies run as written."""
+    import transformers
+    src = Path(transformers.__file__).parent / "models/pp_doclayout_v2/image_processing_pp_doclayout_v2.py"
+    cls = next(n for n in ast.parse(src.read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "PPDocLayoutV2ImageProcessor")
+    funcs = [f for f in cls.body if isinstance(f, ast.FunctionDef)
+             and f.name in ("post_process_object_detection", "_get_order_seqs")]
+    assert len(funcs) == 2
+    for f in funcs:
+        f.decorator_list, f.returns = [], None
+        for a in f.args.args + f.args.kwonlyargs:
+            a.annotation = None
+    ns: dict = {"torch": torch}
+    exec(compile(ast.Module(body=funcs, type_ignores=[]), str(src), "exec"), ns)
+    return type("TransformersV2PostProcess", (), {f.name: ns[f.name] for f in funcs})()
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.3])
+def test_postprocessing_equals_transformers_own(tiny, outputs, threshold):
+    want, got = outputs
+    sizes = [(300, 200), (128, 96)]
+    expect = transformers_postprocess().post_process_object_detection(want, threshold=threshold,
+                                                                      target_sizes=sizes)
+    dets = detections(got.logits, got.pred_boxes, got.order_logits, sizes, RELEASED_LABELS, threshold=threshold)
+    for page, ref_page in zip(dets, expect):
+        assert len(page) == len(ref_page["labels"]) > 0
+        assert [d.label_id for d in page] == ref_page["labels"].tolist()
+        assert [d.order for d in page] == ref_page["order_seq"].tolist()
+        assert [d.score for d in page] == pytest.approx(ref_page["scores"].tolist(), abs=1e-6)
+        assert (torch.tensor([d.bbox for d in page]) - ref_page["boxes"]).abs().max().item() <= 1e-3
+
+
+# ---------------------------------------------------------------------------------- runner, API, CLI
+def _cpu_runner():
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import get_backend_class
+    return get_backend_class("cpu").create(PlanRequest(device="cpu", dtype="float32"))
+
+
+def test_the_runner_detects_with_v2_and_refuses_masks(tiny, outputs):
+    path, _ = tiny
+    runner = _cpu_runner()
+    report = runner.load_detector(str(path))
+    assert runner.detector_family.name == "pp_doclayout_v2" and report.tensors_ignored > 0
+    sizes = [(300, 200), (128, 128)]
+    got = runner.detect(fx.sample_pixels(), sizes, threshold=0.5)
+    want = outputs[0]
+    expect = detections(want.logits, want.pred_boxes, want.order_logits, sizes, RELEASED_LABELS, threshold=0.5)
+    assert [[(d.label, d.order) for d in p] for p in got] == [[(d.label, d.order) for d in p] for p in expect]
+    assert "masks off" in runner.describe()
+    with pytest.raises(ValueError, match="PP-DocLayoutV2 has no mask head"):
+        runner.load_detector(str(path), masks=True)
+
+
+def test_the_detector_api_and_the_cli_pick_v2_from_config_json(tiny, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    from fastdeploy_ext import Detector
+    from fastdeploy_ext.entrypoints.cli import main
+    path, ref = tiny
+    page = tmp_path / "page.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (150, 100, 3), dtype=np.uint8)).save(page)
+    det = Detector(str(path), device="cpu", dtype="float32", threshold=0.5)
+    assert det.family.name == "pp_doclayout_v2"
+    got = det.detect([str(page)])[0]
+    pixels, sizes = det.processor.preprocess([str(page)])
+    with torch.no_grad():
+        o = ref(pixel_values=pixels)
+    want = transformers_postprocess().post_process_object_detection(o, threshold=0.5, target_sizes=sizes)[0]
+    assert [d.label for d in got] == [RELEASED_LABELS[i] for i in want["labels"].tolist()] and got
+    capsys.readouterr()
+    assert main(["detect", "--model", str(path), "--image", str(page), "--device", "cpu", "--dtype", "float32",
+                 "--json"]) == 0
+    line = json.loads(capsys.readouterr().out.strip())
+    assert [d["label"] for d in line["detections"]] == [d.label for d in got]
+    assert (torch.tensor([d["bbox"] for d in line["detections"]]) - torch.tensor([d.bbox for d in got])).abs().max() <= 1e-3
+
+
+# ---------------------------------------------------------------------------------- no host syncs
+def test_the_v2_forward_has_no_host_sync(tiny):
+    """The forward on ``meta`` tensors under the guard: the threshold selection, the kept-first
+    sort and the reading-order network's token ids and masks are all device arithmetic."""
+    from fastdeploy_ext.sync_guard import HostSyncGuard
+    cfg = PPDocLayoutV2Config.from_model_dir(str(tiny[0]))
+    with torch.device("meta"):
+        model = v2model.PPDocLayoutV2(cfg).eval()
+    with torch.inference_mode(), HostSyncGuard({"meta"}):
+        out = model(torch.zeros(2, 3, fx.IMAGE, fx.IMAGE, device="meta"))
+    assert out.logits.shape == (2, 20, 25) and out.order_logits.shape == (2, 20, 20)
+
+
+def test_the_sync_guard_fires_on_a_sync_injected_into_the_reading_order_inputs(tiny, monkeypatch):
+    from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
+    real = v2model.reading_order_inputs
+
+    def syncing(logits, *a):
+        out = real(logits, *a)
+        out[3].max().item()             # reading the kept count back to the host
+        return out
+    monkeypatch.setattr(v2model, "reading_order_inputs", syncing)
+    cfg = PPDocLayoutV2Config.from_model_dir(str(tiny[0]))
+    with torch.device("meta"):
+        model = v2model.PPDocLayoutV2(cfg).eval()
+    with pytest.raises(HostSyncError), torch.inference_mode(), HostSyncGuard({"meta"}):
+        model(torch.zeros(1, 3, fx.IMAGE, fx.IMAGE, device="meta"))
+
+
+def test_a_stable_rank_sort_in_the_postprocessing_departs_from_transformers(outputs, monkeypatch):
+    """Why the post-processing sorts the ranks with the reference's own (unstable) sort: on this
+    fixture some query is kept under two classes, and a stable sort orders those two otherwise."""
+    from fastdeploy_ext.models.pp_doclayout_v3 import postprocess
+    want, got = outputs
+    sizes = [(300, 200), (128, 96)]
+    expect = transformers_postprocess().post_process_object_detection(want, threshold=0.5, target_sizes=sizes)
+    real = torch.sort
+    monkeypatch.setattr(postprocess.torch, "sort", lambda t, **kw: real(t, **kw, stable=True))
+    dets = detections(got.logits, got.pred_boxes, got.order_logits, sizes, RELEASED_LABELS, threshold=0.5)
+    monkeypatch.undo()
+    assert [[d.label_id for d in page] for page in dets] != [p["labels"].tolist() for p in expect]
