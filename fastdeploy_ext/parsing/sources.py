@@ -31,13 +31,13 @@ def _supported(p: Path) -> bool:
 
 def _folder_files(folder: Path) -> list[Path]:
     out = []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()                     # a deterministic walk: the manifest's order is the inputs' order
-        for name in sorted(files):
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
             p = Path(root) / name
             if _supported(p) and p.is_file():
                 out.append(p)
-    return out
+    # sorted by path components: a deterministic order (the manifest's), a folder's files together
+    return sorted(out, key=lambda p: p.relative_to(folder).parts)
 
 
 def _list_file_entries(list_path: Path) -> list[str]:
@@ -47,8 +47,9 @@ def _list_file_entries(list_path: Path) -> list[str]:
     for raw in list_path.read_text(encoding="utf-8").splitlines():
         line = raw.strip()          # whole-line comments only: '#' may be part of a file name
         if line and not line.startswith("#"):
-            p = Path(line).expanduser()
-            entries.append(str(p if p.is_absolute() else list_path.parent / p))
+            at = "@" if line.startswith("@") else ""        # a list may name other lists
+            p = Path(line[len(at):]).expanduser()
+            entries.append(at + str(p if p.is_absolute() else list_path.parent / p))
     return entries
 
 
@@ -173,15 +174,19 @@ def pdf_open_error(path: str | os.PathLike, err: Exception) -> PageError:
     text = str(err)
     if "password" in text.lower():
         return PageError("input", f"{path}: the PDF is encrypted (password-protected); decrypt it first ({text})")
-    truncated = False
+    what = "corrupt"
     try:
         with open(path, "rb") as f:
+            head = f.read(1024)
             f.seek(max(0, os.path.getsize(path) - 1024))
-            truncated = b"%%EOF" not in f.read()
+            tail = f.read()
+        if b"%PDF-" not in head:
+            what = "not a PDF (no %PDF- header)"
+        elif b"%%EOF" not in tail:
+            what = "truncated (no %%EOF marker at its end)"
     except OSError:
         pass
-    what = "truncated (no %%EOF marker at its end)" if truncated else "corrupt or not a PDF"
-    return PageError("input", f"{path}: the PDF is {what} and cannot be opened ({text})")
+    return PageError("input", f"{path}: the file is {what} and cannot be opened as a PDF ({text})")
 
 
 def open_pdf(path: str | os.PathLike):
