@@ -90,9 +90,14 @@ def _out_of_range(task: RenderTask, count: int) -> PageError:
 def pdf_scale(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> float:
     """Pixels per point for a page: dpi / 72, or less when that would exceed ``max_pixels``."""
     scale = dpi / 72.0
-    pixels = (width_pt * scale) * (height_pt * scale)
-    if pixels > max_pixels:
-        scale *= math.sqrt(max_pixels / pixels) * 0.999     # rounding up of the bitmap size stays under
+
+    def pixels(s: float) -> int:            # the bitmap's size: PDFium rounds each side up
+        return math.ceil(width_pt * s) * math.ceil(height_pt * s)
+
+    if pixels(scale) > max_pixels:
+        scale *= math.sqrt(max_pixels / pixels(scale))
+        while pixels(scale) > max_pixels and scale > 1e-6:
+            scale *= 0.995
     return scale
 
 
@@ -122,6 +127,9 @@ def _render_pdf(task: RenderTask) -> RenderedPage:
             arr = np.array(bitmap.to_numpy()[..., :3], dtype=np.uint8)   # a copy: the buffer is PDFium's
         finally:
             bitmap.close()
+        if arr.shape[0] * arr.shape[1] > task.max_pixels:
+            raise PageError("render", f"{task.path}: page {task.page_index + 1} rendered to "
+                                      f"{arr.shape[1]}x{arr.shape[0]} pixels, above the cap of {task.max_pixels:,}")
     except PageError:
         raise
     except Exception as e:  # noqa: BLE001 - PDFium's failures are a bad page, not a bad run
@@ -284,7 +292,8 @@ class _Slot:
                 try:
                     kind, value = self.conn.recv()
                 except (EOFError, OSError):
-                    code = self.proc.exitcode if self.proc is not None else None
+                    self.proc.join(5.0)             # it closed its end: it is exiting; reap it for its code
+                    code = self.proc.exitcode
                     self._restart_after(f"it died on page {task.page_index + 1} of {task.path}")
                     fut.set_exception(PageError(
                         "render", f"{task.path}: page {task.page_index + 1} crashed the render worker "
