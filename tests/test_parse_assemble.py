@@ -167,3 +167,9 @@ def test_formula_crop_trims_its_margin():
 def test_document_markdown_joins_pages_and_leaves_out_empty_ones():
     assert document_markdown(["# A\n", "", "b\n\n"]) == "# A\n\nb\n"
     assert document_markdown([]) == ""
+
+
+def test_crop_block_checks_the_page_image():
+    (task,) = plan_blocks([LayoutBlock("text", 0.9, (0.0, 0.0, 5.0, 5.0), 0)])
+    with pytest.raises(ValueError, match=r"page image must be uint8 \[h, w, 3\], got float32 \[10, 10, 3\]"):
+        crop_block(np.zeros((10, 10, 3), np.float32), task)

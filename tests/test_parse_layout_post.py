@@ -108,3 +108,24 @@ def test_detection_objects_carry_their_own_rank_and_boxes_are_clipped():
 
 def test_empty_input():
     assert postprocess([], W, H) == []
+
+
+def test_planted_synthetic_layouts_pass_through_unchanged():
+    from fastdeploy_ext.parsing.synthetic import PageSpec, planted_layout
+    for seed in range(4):
+        for page in range(3):
+            planted = planted_layout(seed, page)
+            dets = [{"label": b.label, "score": b.score, "bbox": list(b.bbox)} for b in planted]
+            assert postprocess(dets, PageSpec().width, PageSpec().height) == planted
+    # a page tall enough for the nominal sizes gets them (within the +-5 % jitter), unscaled
+    tall = planted_layout(0, 0, spec=PageSpec(height=3000))
+    table = next(b for b in tall if b.label == "table")
+    assert 570 <= table.bbox[3] - table.bbox[1] <= 630
+
+
+@pytest.mark.parametrize("bad,msg", [({"nms_iou_same": 1.5}, r"nms_iou_same must be in \[0, 1\], got 1.5"),
+                                     ({"overlap_ratio": -0.1}, "overlap_ratio must be in"),
+                                     ({"default_merge_mode": "max"}, "merge mode for '<default>'")])
+def test_config_values_are_checked(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        LayoutPostConfig(**bad)

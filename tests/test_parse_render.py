@@ -207,3 +207,22 @@ def test_submit_after_close_and_cancel_on_close(tmp_path):
         r.submit(RenderTask(str(tmp_path / "x.png"), 0))
     with pytest.raises(ValueError, match="workers must be >= 1"):
         PageRenderer(workers=0)
+
+
+def test_a_page_rendered_above_the_cap_is_refused(monkeypatch, synthetic_pdf):
+    # the cap's own guard: with the scale computation broken on purpose, the check after
+    # rendering still refuses the page
+    from fastdeploy_ext.parsing import render
+    monkeypatch.setattr(render, "pdf_scale", lambda w, h, dpi, cap: dpi / 72.0)
+    with pytest.raises(PageError, match=r"rendered to 1190x1684 pixels, above the cap of 100,000"):
+        render_page(RenderTask(str(synthetic_pdf), 0, max_pixels=100_000))
+
+
+def test_page_error_shape():
+    e = PageError("vlm", "block 3 failed")
+    assert (e.stage, e.message, str(e)) == ("vlm", "block 3 failed", "vlm: block 3 failed")
+    import pickle
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.stage, e2.message) == ("vlm", "block 3 failed")
+    with pytest.raises(ValueError, match="unknown parse stage 'decode'"):
+        PageError("decode", "x")

@@ -10,6 +10,7 @@ TIFF frames) are decoded with the checks of fastdeploy_ext/inputs/images.py (bom
 before decoding)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import multiprocessing as mp
@@ -66,12 +67,18 @@ class _OpenDocument:
     def __init__(self):
         self.path: str | None = None
         self.doc = None
+        self._at_exit = False
 
     def get(self, path: str):
         if self.path != path:
             self.close()
             self.doc = open_pdf(path)
             self.path = path
+            if not self._at_exit:
+                # closed before pypdfium2's own exit hook (registered earlier, so run later)
+                # finds it open: render_page called in-process keeps its last document
+                atexit.register(self.close)
+                self._at_exit = True
         return self.doc
 
     def close(self):

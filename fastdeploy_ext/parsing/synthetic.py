@@ -15,6 +15,7 @@ its PDF page with pypdfium2, one page at a time: a 2,000-page document costs its
 memory, not its pixels."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import re
@@ -111,6 +112,7 @@ def planted_layout(seed: int, page_index: int = 0, mix: PlantedMix | None = None
 # drawing
 # --------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=64)
 def _font(size: int):
     from PIL import ImageFont
     try:
@@ -119,21 +121,24 @@ def _font(size: int):
         return ImageFont.load_default()
 
 
+@functools.lru_cache(maxsize=64)
+def _char_width(size: int) -> float:
+    sample = " ".join(_WORDS)
+    return _font(size).getlength(sample) / len(sample)
+
+
 def _words(rng: np.random.Generator, n: int) -> str:
     return " ".join(_WORDS[int(i)] for i in rng.integers(0, len(_WORDS), n))
 
 
 def _draw_lines(draw, box, rng, size: int, fill=(20, 20, 20)) -> None:
+    """Lines of words filling the box (one draw call: the text is laid out by its mean glyph width)."""
     x0, y0, x1, y1 = box
-    font = _font(size)
     line_h = int(size * 1.35)
-    y = y0 + 2
-    while y + size <= y1:
-        text = _words(rng, 40)
-        while len(text) > 4 and draw.textlength(text, font=font) > x1 - x0 - 4:
-            text = text[: int(len(text) * 0.85)].rstrip()
-        draw.text((x0 + 2, y), text, fill=fill, font=font)
-        y += line_h
+    chars = max(4, int((x1 - x0 - 8) / _char_width(size)))
+    n_lines = max(1, (y1 - y0 - 2 - size) // line_h + 1)
+    lines = [_words(rng, chars // 3)[:chars].rstrip() for _ in range(n_lines)]
+    draw.multiline_text((x0 + 2, y0 + 2), "\n".join(lines), fill=fill, font=_font(size), spacing=line_h - size)
 
 
 def _draw_table(draw, box, rng) -> None:
