@@ -134,6 +134,8 @@ def png_claiming(width: int, height: int) -> bytes:
 def test_bomb_image_is_refused_before_decoding(renderer, tmp_path):
     bomb = tmp_path / "bomb.png"
     bomb.write_bytes(png_claiming(100_000, 100_000))
+    with pytest.raises(PageError, match="possible decompression bomb"):
+        count_pages(bomb)
     e = error_of(renderer.submit(RenderTask(str(bomb), 0)))
     assert e.stage == "input" and "decompression bomb" in e.message and "bomb.png" in e.message
     # an image over the task's own cap: refused with the sizes named
@@ -226,3 +228,14 @@ def test_page_error_shape():
     assert (e2.stage, e2.message) == ("vlm", "block 3 failed")
     with pytest.raises(ValueError, match="unknown parse stage 'decode'"):
         PageError("decode", "x")
+
+
+@pytest.mark.parametrize("kw,msg", [({"dpi": 0}, r"dpi must be an integer in \[1, 2400\], got 0"),
+                                    ({"dpi": 72.0}, "dpi must be an integer"),
+                                    ({"timeout_s": 0}, "timeout_s must be > 0"),
+                                    ({"max_pixels": 0}, "max_pixels must be >= 1"),
+                                    ({"page_index": -1}, "page_index must be >= 0")])
+def test_render_task_values_are_checked(kw, msg):
+    args = {"path": "x.pdf", "page_index": 0, **kw}
+    with pytest.raises(ValueError, match=msg):
+        RenderTask(**args)

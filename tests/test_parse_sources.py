@@ -114,8 +114,11 @@ def test_count_pages(tmp_path):
 def test_count_pages_errors(tmp_path):
     (tmp_path / "empty.pdf").write_bytes(b"")
     (tmp_path / "junk.pdf").write_bytes(b"this is not a pdf at all")
+    (tmp_path / "junk.png").write_bytes(b"this is not a png either")
+    (tmp_path / "empty.tif").write_bytes(b"")
     for name, msg in (("empty.pdf", "file is empty"), ("junk.pdf", r"not a PDF \(no %PDF- header\)"),
-                      ("nothere.pdf", "file not found")):
+                      ("nothere.pdf", "file not found"), ("empty.tif", "file is empty"),
+                      ("junk.png", r"not a recognised image format \(corrupt or not an image\)")):
         with pytest.raises(PageError, match=msg) as e:
             count_pages(tmp_path / name)
         assert e.value.stage == "input" and str(e.value).startswith("input: ")

@@ -18,8 +18,7 @@ from .blocks import BlockKind, BlockTask
 from .otsl import otsl_to_html
 
 #: labels listed in the JSON but not written to the Markdown (PaddleX's defaults)
-MARKDOWN_SKIP_LABELS = frozenset({"header", "header_image", "footer", "footer_image", "number", "footnote",
-                                  "vision_footnote", "aside_text"})
+MARKDOWN_SKIP_LABELS = frozenset({"header", "header_image", "footer", "footer_image", "number", "footnote"})
 TITLE_LEVELS = {"doc_title": "#", "paragraph_title": "##"}
 
 #: a tail repeated at least this many times, covering at least this many characters, is a loop

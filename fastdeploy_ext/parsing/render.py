@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import envs
 from .errors import PageError
-from .sources import TIFF_SUFFIXES, check_file, is_pdf, open_pdf
+from .sources import TIFF_SUFFIXES, check_file, is_pdf, open_image_header, open_pdf
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,16 @@ class RenderTask:
     #: the decode cap: images above it are refused; PDF pages are rendered at the largest scale under it
     max_pixels: int = field(default_factory=envs.FD_MAX_IMAGE_PIXELS.get)
     timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if isinstance(self.dpi, bool) or not isinstance(self.dpi, int) or not 1 <= self.dpi <= 2400:
+            raise ValueError(f"dpi must be an integer in [1, 2400], got {self.dpi!r}")
+        if not self.max_pixels >= 1:
+            raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.page_index < 0:
+            raise ValueError(f"page_index must be >= 0, got {self.page_index!r}")
 
 
 @dataclass
@@ -147,21 +157,8 @@ def _render_pdf(task: RenderTask) -> RenderedPage:
     return RenderedPage(task.path, task.page_index, count, arr, arr.shape[1], arr.shape[0], scale)
 
 
-def _open_tiff(path: str):
-    import warnings
-
-    from PIL import Image
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(path)
-    except Image.DecompressionBombError:
-        raise PageError("input", f"{path}: the TIFF's header claims more pixels than PIL's bomb limit "
-                                 f"(refused before decoding as a possible decompression bomb)") from None
-
-
 def _tiff_frames(path: str) -> int:
-    with _open_tiff(path) as tif:
+    with open_image_header(path) as tif:
         return max(1, int(getattr(tif, "n_frames", 1)))
 
 
@@ -181,7 +178,7 @@ def _render_image(task: RenderTask) -> RenderedPage:
         else:
             # a later frame of a multi-page TIFF: selected on the lazily opened file, then
             # load_image checks that frame's own size before decoding it
-            with _open_tiff(task.path) as tif:
+            with open_image_header(task.path) as tif:
                 count = max(1, int(getattr(tif, "n_frames", 1)))
                 if task.page_index >= count:
                     raise _out_of_range(task, count)

@@ -214,12 +214,27 @@ def count_pages(path: str | os.PathLike) -> int:
         if n == 0:
             raise PageError("input", f"{path}: the PDF has no pages")
         return n
-    check_file(path)
-    if Path(path).suffix.lower() not in TIFF_SUFFIXES:
-        return 1
+    with open_image_header(path) as img:
+        return max(1, int(getattr(img, "n_frames", 1)))       # TIFF frames; 1 for other images
+
+
+def open_image_header(path: str | os.PathLike):
+    """The image opened lazily with PIL (its header read, no pixel decoded; the caller closes
+    it), or PageError('input') for a missing, empty, corrupt file or a bomb's header."""
+    import warnings
+
     from PIL import Image
+
+    check_file(path)
     try:
-        with Image.open(path) as img:      # lazy: the header, not the pixels
-            return max(1, int(getattr(img, "n_frames", 1)))
-    except Exception as e:  # noqa: BLE001 - any PIL failure is a bad input file
-        raise PageError("input", f"{path}: cannot open the TIFF ({type(e).__name__}: {e})") from None
+        with warnings.catch_warnings():
+            # PIL warns above its own limit; the decode cap is checked before any decode
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(path)
+    except Image.DecompressionBombError:
+        raise PageError("input", f"{path}: the image header claims more pixels than PIL's bomb limit "
+                                 f"(refused before decoding as a possible decompression bomb)") from None
+    except Image.UnidentifiedImageError:
+        raise PageError("input", f"{path}: not a recognised image format (corrupt or not an image)") from None
+    except Exception as e:  # noqa: BLE001 - OSError and PIL's parser errors: a bad input file
+        raise PageError("input", f"{path}: cannot open the image ({type(e).__name__}: {e})") from None
