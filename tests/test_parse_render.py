@@ -239,3 +239,25 @@ def test_render_task_values_are_checked(kw, msg):
     args = {"path": "x.pdf", "page_index": 0, **kw}
     with pytest.raises(ValueError, match=msg):
         RenderTask(**args)
+
+
+@pytest.mark.parametrize("fmt,suffix", [("WEBP", ".webp"), ("JPEG", ".jpg"), ("BMP", ".bmp"), ("PNG", ".png")])
+def test_single_image_formats(tmp_path, fmt, suffix):
+    p = tmp_path / f"page{suffix}"
+    img = Image.new("RGB", (64, 48), (250, 250, 250))
+    img.paste((10, 10, 10), (8, 8, 40, 24))
+    img.save(p, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    page = render_page(RenderTask(str(p), 0))
+    assert (page.page_count, page.width, page.height, page.scale) == (1, 64, 48, 1.0)
+    assert page.image[15, 20].max() < 40 and page.image[40, 60].min() > 200
+    with pytest.raises(PageError, match=r"page 2 does not exist \(the file has 1 pages\)"):
+        render_page(RenderTask(str(p), 1))
+
+
+def test_a_pdf_without_pages(tmp_path):
+    from pypdf import PdfWriter
+    PdfWriter().write(tmp_path / "none.pdf")
+    for call in (lambda: count_pages(tmp_path / "none.pdf"), lambda: render_page(RenderTask(str(tmp_path / "none.pdf"), 0))):
+        with pytest.raises(PageError, match="none.pdf: the file is corrupt or has no pages") as e:
+            call()
+        assert e.value.stage == "input"

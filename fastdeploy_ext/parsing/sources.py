@@ -184,6 +184,8 @@ def pdf_open_error(path: str | os.PathLike, err: Exception) -> PageError:
             what = "not a PDF (no %PDF- header)"
         elif b"%%EOF" not in tail:
             what = "truncated (no %%EOF marker at its end)"
+        elif "success" in text.lower():        # PDFium fails without a reason on an empty page tree
+            what = "corrupt or has no pages"
     except OSError:
         pass
     return PageError("input", f"{path}: the file is {what} and cannot be opened as a PDF ({text})")
