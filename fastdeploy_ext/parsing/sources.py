@@ -169,26 +169,36 @@ def check_file(path: str | os.PathLike) -> None:
         raise PageError("input", f"{p}: file is empty (0 bytes)")
 
 
+#: how much of each end of a PDF is searched for its trailer's /Encrypt entry
+_TRAILER_SPAN = 64 * 1024
+
+
 def pdf_open_error(path: str | os.PathLike, err: Exception) -> PageError:
-    """PDFium's load failure -> a message that says what is wrong with the file."""
+    """PDFium's load failure -> a message that says what is wrong with the file. PDFium's error
+    code is its *last* error, which a failure without a code of its own leaves stale (the
+    password error of an earlier file), so encryption is read from the file's trailer instead:
+    an /Encrypt entry near either end (a linearized file has a trailer at the start)."""
     text = str(err)
-    if "password" in text.lower():
-        return PageError("input", f"{path}: the PDF is encrypted (password-protected); decrypt it first ({text})")
     what = "corrupt"
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(1024)
-            f.seek(max(0, os.path.getsize(path) - 1024))
+            head = f.read(_TRAILER_SPAN)
+            f.seek(max(0, size - _TRAILER_SPAN))
             tail = f.read()
-        if b"%PDF-" not in head:
+        if b"%PDF-" not in head[:1024]:
             what = "not a PDF (no %PDF- header)"
-        elif b"%%EOF" not in tail:
+        elif b"/Encrypt" in tail or b"/Encrypt" in head:
+            return PageError("input", f"{path}: the PDF is encrypted (password-protected); decrypt it first ({text})")
+        elif b"%%EOF" not in tail[-1024:]:
             what = "truncated (no %%EOF marker at its end)"
-        elif "success" in text.lower():        # PDFium fails without a reason on an empty page tree
+        else:
             what = "corrupt or has no pages"
     except OSError:
         pass
-    return PageError("input", f"{path}: the file is {what} and cannot be opened as a PDF ({text})")
+    # a password error here is stale (the file has no /Encrypt): PDFium's words would mislead
+    said = "" if "password" in text.lower() else f" ({text})"
+    return PageError("input", f"{path}: the file is {what} and cannot be opened as a PDF{said}")
 
 
 def open_pdf(path: str | os.PathLike):
