@@ -266,3 +266,33 @@ def test_a_pdf_without_pages(tmp_path):
         with pytest.raises(PageError, match="none.pdf: the file is corrupt or has no pages") as e:
             call()
         assert e.value.stage == "input"
+
+
+def test_pdfium_calls_in_one_process_are_serialised(monkeypatch, synthetic_pdf):
+    import threading
+
+    from fastdeploy_ext.parsing import render, sources
+
+    class Recording:
+        """The lock, counting the PDFium sections that take it."""
+        def __init__(self):
+            self.lock, self.entered = threading.RLock(), 0
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.entered += 1
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    rec = Recording()
+    monkeypatch.setattr(sources, "PDFIUM_LOCK", rec)
+    monkeypatch.setattr(render, "PDFIUM_LOCK", rec)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        (count_pages(synthetic_pdf), render_page(RenderTask(str(synthetic_pdf), 1)).height))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [(2, 1684)] * 4 and rec.entered == 8

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import envs
 from .errors import PageError
-from .sources import TIFF_SUFFIXES, check_file, is_pdf, open_image_header, open_pdf
+from .sources import PDFIUM_LOCK, TIFF_SUFFIXES, check_file, is_pdf, open_image_header, open_pdf
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +196,11 @@ def _render_image(task: RenderTask) -> RenderedPage:
 
 
 def render_page(task: RenderTask) -> RenderedPage:
-    """One page -> RGB pixels (in the calling process). PageError on any failure."""
-    return _render_pdf(task) if is_pdf(task.path) else _render_image(task)
+    """One page -> RGB pixels (in the calling process; thread-safe). PageError on any failure."""
+    if is_pdf(task.path):
+        with PDFIUM_LOCK:
+            return _render_pdf(task)
+    return _render_image(task)
 
 
 RenderFn = Callable[[RenderTask], RenderedPage]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,10 @@ IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"}) | TIFF_SU
 SUPPORTED_SUFFIXES = PDF_SUFFIXES | IMAGE_SUFFIXES
 
 _GLOB_CHARS = frozenset("*?[")
+
+#: PDFium is not thread-safe: every use of it in one process goes through this lock (the render
+#: pool's workers are processes of their own)
+PDFIUM_LOCK = threading.RLock()
 
 
 def is_pdf(path: str | os.PathLike) -> bool:
@@ -218,11 +223,12 @@ def count_pages(path: str | os.PathLike) -> int:
     """PDF pages, TIFF frames, or 1 for other images. PageError('input') for a file that cannot be
     opened (missing, empty, corrupt, encrypted, or a PDF with no pages)."""
     if is_pdf(path):
-        doc = open_pdf(path)
-        try:
-            n = len(doc)
-        finally:
-            doc.close()
+        with PDFIUM_LOCK:                       # the coordinator may count from several threads
+            doc = open_pdf(path)
+            try:
+                n = len(doc)
+            finally:
+                doc.close()
         if n == 0:
             raise PageError("input", f"{path}: the PDF has no pages")
         return n
