@@ -171,9 +171,9 @@ def _render_image(task: RenderTask) -> RenderedPage:
         if not is_tiff:
             if task.page_index != 0:
                 raise _out_of_range(task, 1)
-            img, count = load_image(task.path, max_image_pixels=task.max_pixels), 1
+            arr, count = np.asarray(load_image(task.path, max_image_pixels=task.max_pixels), dtype=np.uint8), 1
         elif task.page_index == 0:
-            img = load_image(task.path, max_image_pixels=task.max_pixels)
+            arr = np.asarray(load_image(task.path, max_image_pixels=task.max_pixels), dtype=np.uint8)
             count = _tiff_frames(task.path)
         else:
             # a later frame of a multi-page TIFF: selected on the lazily opened file, then
@@ -183,15 +183,15 @@ def _render_image(task: RenderTask) -> RenderedPage:
                 if task.page_index >= count:
                     raise _out_of_range(task, count)
                 tif.seek(task.page_index)
-                img = load_image(tif, name=f"{task.path} (frame {task.page_index + 1})",
-                                 max_image_pixels=task.max_pixels)
+                frame = load_image(tif, name=f"{task.path} (frame {task.page_index + 1})",
+                                   max_image_pixels=task.max_pixels)
+                arr = np.array(frame, dtype=np.uint8)   # before the file closes (an RGB frame is not copied)
     except ImageInputError as e:
         raise PageError("input", str(e)) from None
     except PageError:
         raise
     except Exception as e:  # noqa: BLE001 - PIL's own failures on a bad file
         raise PageError("input", f"{task.path}: cannot decode the image ({type(e).__name__}: {e})") from None
-    arr = np.asarray(img, dtype=np.uint8)
     return RenderedPage(task.path, task.page_index, count, arr, arr.shape[1], arr.shape[0], 1.0)
 
 
