@@ -296,3 +296,20 @@ def test_pdfium_calls_in_one_process_are_serialised(monkeypatch, synthetic_pdf):
     for t in threads:
         t.join()
     assert results == [(2, 1684)] * 4 and rec.entered == 8
+
+
+def test_synthetic_mix_of_other_kinds_is_drawn_in_its_boxes(tmp_path):
+    from fastdeploy_ext.parsing.synthetic import PlantedMix, planted_tokens
+    mix = PlantedMix(kinds=(("image", 1, 600, 300), ("chart", 1, 600, 300), ("seal", 1, 200, 200), ("text", 1, 1000, 180)))
+    doc = synthetic_document(1, seed=4, mix=mix)
+    (tmp_path / "mix.pdf").write_bytes(doc.pdf)
+    page = render_page(RenderTask(str(tmp_path / "mix.pdf"), 0))
+    for b in doc.pages[0]:
+        x0, y0, x1, y1 = (int(v) for v in b.bbox)
+        crop = page.image[y0:y1, x0:x1]
+        assert crop.min() < 128, b.label                    # something is drawn in every box
+        chroma = int((crop.max(axis=2).astype(int) - crop.min(axis=2)).max())     # text is drawn in gray
+        assert (chroma > 60) == (b.label in ("image", "chart", "seal")), (b.label, chroma)
+    assert mix.blocks_per_page == 4
+    assert [planted_tokens(x) for x in ("doc_title", "text", "table", "display_formula", "figure_title", "image")] == \
+        [16, 120, 600, 60, 40, 120]

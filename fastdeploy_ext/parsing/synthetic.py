@@ -56,6 +56,16 @@ class PlantedMix:
         return sum(k[1] for k in self.kinds)
 
 
+#: the issue's output length per planted block kind (tokens the VLM writes for it), for benches
+#: that plant decode lengths too; kinds not named here count as a paragraph
+PLANTED_TOKENS = {"doc_title": 16, "paragraph_title": 16, "text": 120, "table": 600, "display_formula": 60,
+                  "figure_title": 40}
+
+
+def planted_tokens(label: str) -> int:
+    return PLANTED_TOKENS.get(label, PLANTED_TOKENS["text"])
+
+
 @dataclass
 class SyntheticDocument:
     pdf: bytes
@@ -171,6 +181,36 @@ def _draw_formula(draw, box, rng) -> None:
     draw.text((fx, y0 + h * 0.55), f"{c} - x", fill=(0, 0, 0), font=font)
 
 
+def _draw_picture(draw, box, rng) -> None:
+    """An image block: overlapping coloured shapes on a tinted background."""
+    x0, y0, x1, y1 = box
+    draw.rectangle(box, fill=tuple(int(v) for v in rng.integers(180, 240, 3)))
+    for _ in range(6):
+        cx, cy = float(rng.uniform(x0, x1)), float(rng.uniform(y0, y1))
+        r = float(rng.uniform(0.1, 0.3)) * min(x1 - x0, y1 - y0)
+        shape = (max(x0, cx - r), max(y0, cy - r), min(x1, cx + r), min(y1, cy + r))
+        if shape[2] > shape[0] and shape[3] > shape[1]:
+            draw.ellipse(shape, fill=tuple(int(v) for v in rng.integers(0, 200, 3)))
+
+
+def _draw_chart(draw, box, rng) -> None:
+    """A chart block: axes and bars."""
+    x0, y0, x1, y1 = box
+    draw.line((x0 + 10, y0 + 5, x0 + 10, y1 - 10, x1 - 5, y1 - 10), fill=(0, 0, 0), width=2)
+    n = int(rng.integers(4, 9))
+    step = (x1 - x0 - 30) / n
+    for i in range(n):
+        top = y1 - 10 - float(rng.uniform(0.1, 0.9)) * (y1 - y0 - 20)
+        draw.rectangle((x0 + 20 + i * step, top, x0 + 20 + i * step + step * 0.6, y1 - 11), fill=(40, 90, 200))
+
+
+def _draw_seal(draw, box, rng) -> None:
+    x0, y0, x1, y1 = box
+    draw.ellipse(box, outline=(200, 20, 20), width=4)
+    font = _font(max(10, int((y1 - y0) * 0.15)))
+    draw.text((x0 + (x1 - x0) * 0.2, y0 + (y1 - y0) * 0.42), _words(rng, 2).upper(), fill=(200, 20, 20), font=font)
+
+
 def draw_page(blocks: list[LayoutBlock], seed: int, page_index: int, spec: PageSpec | None = None) -> np.ndarray:
     """The page's pixels (uint8 [h, w, 3]) with something drawn in every planted block."""
     from PIL import Image, ImageDraw
@@ -185,6 +225,12 @@ def draw_page(blocks: list[LayoutBlock], seed: int, page_index: int, spec: PageS
             _draw_table(draw, box, rng)
         elif b.label == "display_formula":
             _draw_formula(draw, box, rng)
+        elif b.label in ("image", "header_image", "footer_image"):
+            _draw_picture(draw, box, rng)
+        elif b.label == "chart":
+            _draw_chart(draw, box, rng)
+        elif b.label == "seal":
+            _draw_seal(draw, box, rng)
         elif b.label in ("doc_title", "paragraph_title", "figure_title"):      # one line
             _draw_lines(draw, box, rng, max(10, int((box[3] - box[1]) * (0.5 if b.label == "figure_title" else 0.6))))
         else:
