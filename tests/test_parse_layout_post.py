@@ -129,3 +129,27 @@ def test_planted_synthetic_layouts_pass_through_unchanged():
 def test_config_values_are_checked(bad, msg):
     with pytest.raises(ValueError, match=msg):
         LayoutPostConfig(**bad)
+
+
+def naive_nms(cands, iou_same, iou_cross):
+    from fastdeploy_ext.parsing.layout_post import iou
+    kept = []
+    for c in sorted(cands, key=lambda c: (-c.score, c.rank)):
+        if all(iou(c.bbox, k.bbox) <= (iou_same if k.label == c.label else iou_cross) for k in kept):
+            kept.append(c)
+    return kept
+
+
+def test_vectorised_nms_matches_the_greedy_definition():
+    import numpy as np
+
+    from fastdeploy_ext.parsing.layout_post import _candidates, class_aware_nms
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        dets = []
+        for _ in range(int(rng.integers(1, 60))):
+            x, y, w, h = rng.uniform(0, 800), rng.uniform(0, 1200), rng.uniform(5, 300), rng.uniform(5, 200)
+            dets.append(det(str(rng.choice(["text", "table", "image"])), float(rng.uniform(0.3, 1)), (x, y, x + w, y + h)))
+        cands = _candidates(dets, W, H, LayoutPostConfig())
+        assert class_aware_nms(cands, 0.6, 0.98) == naive_nms(cands, 0.6, 0.98), trial
+        assert class_aware_nms(cands, 0.3, 0.5) == naive_nms(cands, 0.3, 0.5), trial

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
+
 Box = tuple[float, float, float, float]
 
 #: classes whose fragments are parts of one block (PaddleX's "large" merge mode)
@@ -130,13 +132,34 @@ def _candidates(detections: Iterable[Any], width: int, height: int, cfg: LayoutP
     return out
 
 
+def _pairwise(boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n, 4] boxes -> ([n, n] intersection areas, [n] areas)."""
+    x0 = np.maximum(boxes[:, None, 0], boxes[None, :, 0])
+    y0 = np.maximum(boxes[:, None, 1], boxes[None, :, 1])
+    x1 = np.minimum(boxes[:, None, 2], boxes[None, :, 2])
+    y1 = np.minimum(boxes[:, None, 3], boxes[None, :, 3])
+    inter = np.clip(x1 - x0, 0, None) * np.clip(y1 - y0, 0, None)
+    areas = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
+    return inter, areas
+
+
 def class_aware_nms(cands: list[_Cand], iou_same: float, iou_cross: float) -> list[_Cand]:
-    """Greedy NMS by score (ties: reading order), with a threshold per same / other class."""
+    """Greedy NMS by score (ties: reading order), with a threshold per same / other class: a box
+    goes when it overlaps a kept, higher-scoring box above the threshold for their pair."""
+    if not cands:
+        return []
     ordered = sorted(cands, key=lambda c: (-c.score, c.rank))
-    kept: list[_Cand] = []
-    for c in ordered:
-        if all(iou(c.bbox, k.bbox) <= (iou_same if k.label == c.label else iou_cross) for k in kept):
-            kept.append(c)
+    inter, areas = _pairwise(np.array([c.bbox for c in ordered], dtype=np.float64))
+    union = areas[:, None] + areas[None, :] - inter
+    ious = np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
+    labels = np.array([c.label for c in ordered])
+    suppresses = ious > np.where(labels[:, None] == labels[None, :], iou_same, iou_cross)
+    gone = np.zeros(len(ordered), dtype=bool)
+    kept = []
+    for i in range(len(ordered)):
+        if not gone[i]:
+            kept.append(ordered[i])
+            gone |= suppresses[i]
     return kept
 
 
@@ -173,16 +196,19 @@ def merge_within_class(cands: list[_Cand], cfg: LayoutPostConfig) -> list[_Cand]
 def filter_overlaps(cands: list[_Cand], ratio: float) -> list[_Cand]:
     """Across classes: of two boxes overlapping by more than ``ratio`` of the smaller, drop the
     smaller (equal areas: the lower score)."""
+    if not cands:
+        return []
+    inter, areas = _pairwise(np.array([c.bbox for c in cands], dtype=np.float64))
+    smaller = np.minimum(areas[:, None], areas[None, :])
+    overlap = np.divide(inter, smaller, out=np.zeros_like(inter), where=smaller > 0)
     dropped: set[int] = set()
-    for i in range(len(cands)):
-        for j in range(i + 1, len(cands)):
-            if i in dropped or j in dropped:
-                continue
-            a, b = cands[i], cands[j]
-            if a.label == b.label or overlap_of_smaller(a.bbox, b.bbox) <= ratio:
-                continue
-            da, db = area(a.bbox), area(b.bbox)
-            dropped.add(j if (db, b.score) < (da, a.score) else i)
+    for i, j in zip(*np.nonzero(np.triu(overlap > ratio, 1))):      # pairs in (i, j) order
+        i, j = int(i), int(j)
+        if i in dropped or j in dropped:
+            continue
+        a, b = cands[i], cands[j]
+        if a.label != b.label:              # same-class pairs were merged before
+            dropped.add(j if (area(b.bbox), b.score) < (area(a.bbox), a.score) else i)
     return [c for k, c in enumerate(cands) if k not in dropped]
 
 
