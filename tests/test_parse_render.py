@@ -361,3 +361,11 @@ def test_a_killed_parent_takes_its_hung_worker_with_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_synthetic_pages_drawn_in_processes_give_the_same_bytes():
+    one = synthetic_document(3, seed=8)
+    two = synthetic_document(3, seed=8, processes=2)
+    assert one.pdf == two.pdf and one.pages == two.pages
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        synthetic_document(1, processes=0)
