@@ -139,14 +139,13 @@ def encode_done_record(r: DoneRecord) -> bytes:
 def decode_done_record(raw: bytes) -> DoneRecord | None:
     if len(raw) != DONE_RECORD_SIZE or raw[-1:] != b"\n" or raw[:1] not in (Outcome.DONE, Outcome.FAILED):
         return None
-    body = raw[:57]
     try:
-        if int(raw[58:66], 16) != zlib.crc32(body):
-            return None
-        _, ordinal, shard, start, end, ms = body.split()
-        return DoneRecord(raw[:1], int(ordinal), int(shard), int(start), int(end), int(ms))
+        _, ordinal, shard, start, end, ms, _crc = raw.split()
+        rec = DoneRecord(raw[:1], int(ordinal), int(shard), int(start), int(end), int(ms))
     except ValueError:
         return None
+    # re-encoding checks every byte: the layout, the digits and the CRC
+    return rec if encode_done_record(rec) == raw else None
 
 
 def valid_done_length(path: str) -> int:

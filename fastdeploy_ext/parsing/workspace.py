@@ -395,9 +395,13 @@ class Workspace:
         if not self.leases.check_key(lease, key):
             raise StaleLease(f"lease {lease.lease_id} (token {lease.token}) of worker {lease.worker!r} no longer "
                              f"holds page {key}: it expired or was superseded, so its result is dropped")
-        if self._state[ordinal] == DONE:     # unreachable while the fence holds: a second line of defence
-            raise PageAlreadyDone(f"page {key} is already committed; refusing to write it twice")
+        self._refuse_if_done(ordinal, key)
         return ordinal
+
+    def _refuse_if_done(self, ordinal: int, key: str) -> None:
+        # unreachable while the fence holds (a settled page leaves its lease): a second line of defence
+        if self._state[ordinal] == DONE:
+            raise PageAlreadyDone(f"page {key} is already committed; refusing to write it twice")
 
     def commit(self, lease: Lease, key: str, result: PageResult) -> None:
         """Write a page's outputs durably, then its done record; StaleLease / PageAlreadyDone
