@@ -247,6 +247,19 @@ def test_damage_before_valid_manifest_records_is_refused(tmp_path):
         open_ws(tmp_path)
 
 
+def test_done_log_naming_a_page_twice_or_beyond_the_manifest_is_refused(tmp_path):
+    _run_uninterrupted(tmp_path)
+    done_log = tmp_path / journal.STATE_DIR / "done.log"
+    good = done_log.read_bytes()
+    done_log.write_bytes(good + good[:journal.DONE_RECORD_SIZE])
+    with pytest.raises(journal.CorruptWorkspace, match="marks a page done twice"):
+        open_ws(tmp_path)
+    beyond = journal.DoneRecord(journal.Outcome.DONE, 6, 0, 0, 0, 1)
+    done_log.write_bytes(good + journal.encode_done_record(beyond))
+    with pytest.raises(journal.CorruptWorkspace, match="names page 6 beyond the manifest"):
+        open_ws(tmp_path)
+
+
 # ---------------------------------------------------------------------------------- leases
 def test_stale_lease_expired_or_superseded(tmp_path):
     clock = Clock()

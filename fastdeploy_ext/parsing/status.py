@@ -53,7 +53,7 @@ def workspace_status(output_dir: str) -> WorkspaceStatus:
     done = np.zeros(size, dtype=bool)
     failed = np.zeros(size, dtype=bool)
     recent = np.zeros(0, dtype=np.int64)
-    for cols in iter_done_columns(paths.done_log, length):
+    for cols in iter_done_columns(paths.done_log, length, fields=("ordinal", "time_ms")):
         if len(cols.ordinal) and int(cols.ordinal.max()) >= size:   # a manifest read torn mid-append
             grow = int(cols.ordinal.max()) + 1 - size
             done, failed, size = np.append(done, np.zeros(grow, bool)), np.append(failed, np.zeros(grow, bool)), size + grow

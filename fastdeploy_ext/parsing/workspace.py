@@ -18,14 +18,15 @@ import os
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from .journal import (
-    DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
+    CorruptWorkspace, DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
     iter_done_columns, read_manifest, valid_done_length,
 )
 from .leases import Lease, LeaseTable, StaleLease
@@ -83,8 +84,22 @@ class _Doc:
     digest: str
     stem: str
     page_count: int
-    ordinals: dict[int, int]       # page_index -> ordinal
+    # the manifest records that added pages: (first ordinal, page-index ranges); kept as ranges,
+    # not a dict per page, so a 10M-page manifest fits in memory
+    chunks: list[tuple[int, list[list[int]]]] = field(default_factory=list)
+    n_pages: int = 0
     done: int = 0
+
+    def ordinal_of(self, page_index: int) -> int | None:
+        for first, ranges in self.chunks:
+            for a, b in ranges:
+                if a <= page_index <= b:
+                    return first + page_index - a
+                first += b - a + 1
+        return None
+
+    def page_indices(self) -> list[int]:
+        return sorted(i for _, ranges in self.chunks for i in _expand(ranges))
 
 
 def _ranges(indices: list[int]) -> list[list[int]]:
@@ -180,8 +195,8 @@ class Workspace:
         self._by_digest: dict[str, _Doc] = {}          # digest[:16] -> doc (the key's prefix)
         self._stems: set[str] = set()
         self._error_paths: set[str] = set()
-        self._page_doc: list[int] = []                 # ordinal -> doc_id
-        self._page_index: list[int] = []               # ordinal -> page index
+        self._page_doc = array("q")                    # ordinal -> doc_id
+        self._page_index = array("q")                  # ordinal -> page index
         self._state = bytearray()
         self._totals = ManifestTotals()
         self._cursor = {False: 0, True: 0}
@@ -236,21 +251,24 @@ class Workspace:
             self._apply(body)
             errors_end = max(errors_end, body.get("errors_end", 0))
         if totals.pages != len(self._state):
-            raise RuntimeError(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._state)}")
+            raise CorruptWorkspace(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._state)}")
         self._totals = totals
         length = valid_done_length(self.paths.done_log)
         state = np.zeros(len(self._state), dtype=np.uint8)
         shards = self.jsonl_shards or 0
         shard_end = np.zeros(max(shards, 1), dtype=np.int64)
-        for cols in iter_done_columns(self.paths.done_log, length):
+        n_done = 0
+        fields = ("ordinal", "end", "time_ms") + (("shard",) if shards else ())
+        for cols in iter_done_columns(self.paths.done_log, length, fields=fields):
             is_done = cols.outcome == ord("D")
             if len(cols.ordinal) and int(cols.ordinal.max()) >= len(state):
-                raise RuntimeError(f"{self.paths.done_log} names page {int(cols.ordinal.max())} beyond the manifest")
-            if np.any(state[cols.ordinal[is_done]] == DONE) or len(np.unique(cols.ordinal[is_done])) < int(is_done.sum()):
-                raise RuntimeError(f"{self.paths.done_log} marks a page done twice")
+                raise CorruptWorkspace(f"{self.paths.done_log} names page {int(cols.ordinal.max())} beyond the manifest")
             failed = cols.ordinal[~is_done]
             state[failed[state[failed] != DONE]] = FAILED_BEFORE
             state[cols.ordinal[is_done]] = DONE
+            n_done += int(is_done.sum())
+            if np.count_nonzero(state == DONE) != n_done:      # cheaper than np.unique on 10M records
+                raise CorruptWorkspace(f"{self.paths.done_log} marks a page done twice")
             if shards:
                 np.maximum.at(shard_end, cols.shard[is_done], cols.end[is_done])
             if (~is_done).any():
@@ -258,8 +276,9 @@ class Workspace:
             if is_done.any():
                 self._last_commit = int(cols.time_ms[is_done].max()) / 1000.0
         self._state = bytearray(state.tobytes())
+        per_doc = np.bincount(np.frombuffer(self._page_doc, dtype=np.int64)[state == DONE], minlength=len(self._docs))
         for doc in self._docs:
-            doc.done = sum(1 for o in doc.ordinals.values() if self._state[o] == DONE)
+            doc.done = int(per_doc[doc.doc_id])
         self._manifest = self._open_log(self.paths.manifest, valid)
         self._done = self._open_log(self.paths.done_log, length)
         self._errors = self._open_log(self.paths.errors, errors_end)
@@ -274,7 +293,7 @@ class Workspace:
         """Cut ``path`` back to what done / manifest records vouch for, and append from there."""
         _truncate(path, committed)
         if os.path.exists(path) and os.path.getsize(path) < committed:
-            raise RuntimeError(f"{path} is shorter than its committed {committed} bytes: written outside this workspace?")
+            raise CorruptWorkspace(f"{path} is shorter than its committed {committed} bytes: written outside this workspace?")
         log = _Log(path, committed)
         self._logs.append(log)
         return log
@@ -283,7 +302,7 @@ class Workspace:
     def _apply(self, body: dict) -> None:
         """One manifest record into memory: the same code on replay and on a fresh add."""
         if "doc" in body:
-            doc = _Doc(body["doc"], body["path"], body["digest"], body["stem"], body["page_count"], {})
+            doc = _Doc(body["doc"], body["path"], body["digest"], body["stem"], body["page_count"])
             self._docs.append(doc)
             self._by_digest[doc.digest[:16]] = doc
             self._stems.add(doc.stem)
@@ -295,16 +314,17 @@ class Workspace:
         elif "input_error" in body:
             self._error_paths.add(body["input_error"])
         else:
-            raise RuntimeError(f"{self.paths.manifest}: unknown record {body}")
+            raise CorruptWorkspace(f"{self.paths.manifest}: unknown record {body}")
 
     def _add_pages(self, doc: _Doc, body: dict) -> None:
         if body["first"] != len(self._state):
-            raise RuntimeError(f"{self.paths.manifest}: pages of {doc.path} start at {body['first']}, expected {len(self._state)}")
-        for i in _expand(body["pages"]):
-            doc.ordinals[i] = len(self._state)
-            self._page_doc.append(doc.doc_id)
-            self._page_index.append(i)
-            self._state.append(PENDING)
+            raise CorruptWorkspace(f"{self.paths.manifest}: pages of {doc.path} start at {body['first']}, expected {len(self._state)}")
+        indices = _expand(body["pages"])
+        doc.chunks.append((body["first"], body["pages"]))
+        doc.n_pages += len(indices)
+        self._page_doc.extend([doc.doc_id] * len(indices))
+        self._page_index.extend(indices)
+        self._state.extend(bytes(len(indices)))         # PENDING
 
     def _record(self, body: dict, pages: int = 0, documents: int = 0, input_errors: int = 0) -> None:
         t = self._totals
@@ -333,7 +353,7 @@ class Workspace:
             raise ValueError(f"{path} and {doc.path} share the page-key prefix {digest[:16]} with different contents")
         if doc.path != path:
             self._record({"path_of": doc.doc_id, "path": path})
-        new = [i for i in page_indices if i not in doc.ordinals]
+        new = [i for i in page_indices if doc.ordinal_of(i) is None]
         if new:
             # the document's .md will cover more pages: drop the old one, it is rewritten when they finish
             (self.root / f"{doc.stem}.md").unlink(missing_ok=True)
@@ -361,9 +381,10 @@ class Workspace:
     def _ordinal(self, key: str) -> int:
         doc = self._by_digest.get(key[:16])
         prefix, _, index = key.partition(":")
-        if doc is None or not index.isdigit() or int(index) not in doc.ordinals or len(prefix) != 16:
+        ordinal = doc.ordinal_of(int(index)) if doc is not None and index.isdigit() and len(prefix) == 16 else None
+        if ordinal is None:
             raise KeyError(f"page {key!r} is not in this workspace's manifest")
-        return doc.ordinals[int(index)]
+        return ordinal
 
     def _settled(self, key: str) -> bool:
         return self._state[self._ordinal(key)] in (DONE, FAILED_NOW)
@@ -488,11 +509,11 @@ class Workspace:
         os.replace(tmp, path)
 
     def _doc_complete(self, doc: _Doc) -> bool:
-        return (doc.done == len(doc.ordinals) and not self.jsonl_shards and "md" in self.formats)
+        return (doc.done == doc.n_pages and not self.jsonl_shards and "md" in self.formats)
 
     def _write_document_markdown(self, doc: _Doc) -> None:
         from .assemble import document_markdown
-        pages = [(self.root / f"{doc.stem}_{i + 1:04d}.md").read_text(encoding="utf-8") for i in sorted(doc.ordinals)]
+        pages = [(self.root / f"{doc.stem}_{i + 1:04d}.md").read_text(encoding="utf-8") for i in doc.page_indices()]
         self._write_output(f"{doc.stem}.md", document_markdown(pages).encode())
         _fsync_dir(str(self.root))
 
