@@ -349,6 +349,40 @@ def test_lease_table_returns_expired_pages_first_and_counts_attempts():
         table.grant("e", pages, 0, 5)
 
 
+def test_every_durable_append_happens_under_the_workspace_lock(tmp_path, monkeypatch):
+    """Writer and granting threads may share a Workspace: each log append (offsets included)
+    must run under its lock. Threads committing concurrently then give one valid line per page."""
+    import threading
+    from fastdeploy_ext.parsing import durable
+    ws = open_ws(tmp_path, jsonl_shards=2)
+    real_append = durable.AppendLog.append
+    unlocked = []
+    monkeypatch.setattr(durable.AppendLog, "append",
+                        lambda self, data: (unlocked.append(self.path) if not ws._lock._is_owned() else None,
+                                            real_append(self, data))[1])
+    add_docs(ws, n_docs=4, n_pages=5)
+
+    def worker(name):
+        while (lease := ws.grant(name, 2, 60)) is not None:
+            for key in lease.keys:
+                ws.commit(lease, key, driver.fake_result(ws.work(key)))
+
+    threads = [threading.Thread(target=worker, args=(f"t{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ws.close()
+    assert unlocked == []
+    keys = shard_keys(tmp_path)
+    assert len(keys) == len(set(keys)) == 20 and workspace_status(tmp_path).done == 20
+    # and the check sees an unlocked append when there is one
+    log = durable.AppendLog(str(tmp_path / "scratch"), 0)
+    log.append(b"x")
+    log.close()
+    assert unlocked == [str(tmp_path / "scratch")]
+
+
 # ---------------------------------------------------------------------------------- lock, fingerprint
 def test_second_coordinator_refused_naming_the_holder(tmp_path):
     with open_ws(tmp_path):

@@ -9,6 +9,8 @@ sends its results, the commit checks the token against the page's current one an
 """
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -16,6 +18,16 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
     from .workspace import PageWork
+
+
+def synchronized(method):
+    """Run under the instance's ``_lock``: the coordinator may commit from a writer thread while
+    another thread grants, renews or expires (the Workspace and its LeaseTable share one lock)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class StaleLease(RuntimeError):
@@ -42,10 +54,11 @@ class _Held:
 
 class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 settled: Callable[[str], bool] | None = None):
+                 settled: Callable[[str], bool] | None = None, lock: threading.RLock | None = None):
         """``settled(key)``: the page needs no more work (done, or failed this run). The
         Workspace passes its own state so a stale ``pending`` list never re-grants a done page."""
         self.clock = clock
+        self._lock = lock or threading.RLock()
         self._settled = settled or (lambda key: False)
         self._next_id = 1
         self._next_token = 1
@@ -55,6 +68,7 @@ class LeaseTable:
         self._returned: deque[PageWork] = deque()  # pages of expired leases: granted first
 
     # ------------------------------------------------------------------ granting
+    @synchronized
     def grant(self, worker: str, pending: Iterable[PageWork], max_pages: int, ttl_s: float) -> Lease | None:
         """Lease up to ``max_pages`` pages nobody holds: returned pages of expired leases first,
         then ``pending`` in its order. None when there is nothing to hand out."""
@@ -89,15 +103,18 @@ class LeaseTable:
         return lease
 
     # ------------------------------------------------------------------ checking
+    @synchronized
     def check(self, lease: Lease) -> bool:
         """The lease is the one this table holds under that id (same token) and not expired."""
         held = self._held.get(lease.lease_id)
         return held is not None and held.lease.token == lease.token and self.clock() < held.lease.expires_at
 
+    @synchronized
     def check_key(self, lease: Lease, key: str) -> bool:
         """The fencing check at commit: the lease is current and ``key`` is still open under it."""
         return self.check(lease) and self._owner.get(key) == lease.token and key in self._held[lease.lease_id].open
 
+    @synchronized
     def renew(self, lease: Lease, ttl_s: float | None = None) -> Lease:
         """Extend a current lease from now (by its original ttl unless given); StaleLease if it
         expired or was superseded. Returns the lease with its new expiry (same token)."""
@@ -110,6 +127,7 @@ class LeaseTable:
         return renewed
 
     # ------------------------------------------------------------------ ending
+    @synchronized
     def settle(self, lease: Lease, key: str) -> None:
         """``key`` was committed or failed under ``lease``; the lease ends with its last page."""
         held = self._held[lease.lease_id]
@@ -119,6 +137,7 @@ class LeaseTable:
         if not held.open:
             del self._held[lease.lease_id]
 
+    @synchronized
     def expire(self, now: float | None = None) -> list[Lease]:
         """End every lease whose expiry has passed; their open pages go back to the front of the
         queue (attempt counts kept, so a page that keeps killing workers is visible)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 import time
 import zlib
 from collections import deque
@@ -29,7 +30,8 @@ from .journal import (
     CorruptWorkspace, DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
     iter_done_columns, read_manifest, valid_done_length,
 )
-from .leases import Lease, LeaseTable, StaleLease
+from .durable import AppendLog, fsync_dir, json_line, truncate, write_atomic
+from .leases import Lease, LeaseTable, StaleLease, synchronized
 from .status import RATE_WINDOW_S, WorkspaceStatus, rate_of
 
 if TYPE_CHECKING:
@@ -116,50 +118,6 @@ def _expand(ranges: list[list[int]]) -> list[int]:
     return [i for a, b in ranges for i in range(a, b + 1)]
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _truncate(path: str, length: int) -> None:
-    if os.path.exists(path) and os.path.getsize(path) > length:
-        with open(path, "r+b") as f:
-            f.truncate(length)
-            os.fsync(f.fileno())
-
-
-def _json_line(entry: dict) -> bytes:
-    return (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-
-
-class _Log:
-    """An append-only file whose committed length we track: every append is fsynced before it
-    counts, and a failed append is cut off so the next record never follows a partial one."""
-
-    def __init__(self, path: str, length: int):
-        self.path = path
-        self.length = length
-        self._f = open(path, "ab")
-
-    def append(self, data: bytes) -> int:
-        """Append durably; returns the new length (the record's end offset)."""
-        try:
-            self._f.write(data)
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        except BaseException:
-            self._f.truncate(self.length)
-            raise
-        self.length += len(data)
-        return self.length
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Workspace:
     """Open with ``Workspace.open``; one per output directory per host, in the coordinator."""
 
@@ -174,7 +132,7 @@ class Workspace:
             raise ValueError(f"jsonl_shards must be 1..9999, got {jsonl_shards}")
         ws = cls(WorkspacePaths(str(output_dir)), formats, jsonl_shards, clock)
         try:
-            ws._lock()
+            ws._take_flock()
             ws._check_config(fingerprint)
             ws._recover()
         except BaseException:
@@ -188,9 +146,10 @@ class Workspace:
         self.root = Path(paths.root)
         self.formats = formats
         self.jsonl_shards = jsonl_shards
-        self.leases = LeaseTable(clock=clock, settled=self._settled)
+        self._lock = threading.RLock()
+        self.leases = LeaseTable(clock=clock, settled=self._settled, lock=self._lock)
         self._lock_fd: int | None = None
-        self._logs: list[_Log] = []
+        self._logs: list[AppendLog] = []
         self._docs: list[_Doc] = []
         self._by_digest: dict[str, _Doc] = {}          # digest[:16] -> doc (the key's prefix)
         self._stems: set[str] = set()
@@ -203,7 +162,7 @@ class Workspace:
         self._recent: deque[float] = deque()           # unix times of this session's commits
         self._last_commit: float | None = None
 
-    def _lock(self) -> None:
+    def _take_flock(self) -> None:
         os.makedirs(self.paths.state, exist_ok=True)
         fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -228,7 +187,7 @@ class Workspace:
             if os.path.exists(self.paths.manifest):
                 raise FingerprintMismatch(f"{self.paths.config} is missing but a manifest exists: "
                                           f"delete {self.root} to start over")
-            self._write_atomic(self.paths.config, (json.dumps(want, indent=2, sort_keys=True) + "\n").encode())
+            write_atomic(self.paths.config, (json.dumps(want, indent=2, sort_keys=True) + "\n").encode())
             return
         with open(self.paths.config) as f:
             have = json.load(f)
@@ -283,18 +242,18 @@ class Workspace:
         self._done = self._open_log(self.paths.done_log, length)
         self._errors = self._open_log(self.paths.errors, errors_end)
         self._shards = [self._open_log(self.paths.shard(i, shards), int(shard_end[i])) for i in range(shards)]
-        _fsync_dir(self.paths.state)
-        _fsync_dir(self.paths.root)
+        fsync_dir(self.paths.state)
+        fsync_dir(self.paths.root)
         for doc in self._docs:         # a crash between a document's last page and its .md
             if self._doc_complete(doc) and not (self.root / f"{doc.stem}.md").exists():
                 self._write_document_markdown(doc)
 
-    def _open_log(self, path: str, committed: int) -> _Log:
+    def _open_log(self, path: str, committed: int) -> AppendLog:
         """Cut ``path`` back to what done / manifest records vouch for, and append from there."""
-        _truncate(path, committed)
+        truncate(path, committed)
         if os.path.exists(path) and os.path.getsize(path) < committed:
             raise CorruptWorkspace(f"{path} is shorter than its committed {committed} bytes: written outside this workspace?")
-        log = _Log(path, committed)
+        log = AppendLog(path, committed)
         self._logs.append(log)
         return log
 
@@ -333,6 +292,7 @@ class Workspace:
         self._totals = totals
         self._apply(body)
 
+    @synchronized
     def add_document(self, path: str, digest: str, page_indices: list[int], page_count: int) -> int:
         """Register a document's pages (idempotent: a rerun adds nothing). Same content under
         another path is the same work: the new path is recorded for rendering, its outputs keep
@@ -360,6 +320,7 @@ class Workspace:
             self._record({"pages_of": doc.doc_id, "pages": _ranges(new), "first": len(self._state)}, pages=len(new))
         return len(new)
 
+    @synchronized
     def add_input_error(self, path: str, stage: str, message: str) -> None:
         """An input file that yields no pages (unreadable, encrypted, ...): once per path."""
         path = str(path)
@@ -374,6 +335,7 @@ class Workspace:
         i = self._page_index[ordinal]
         return PageWork(page_key(doc.digest, i), doc.path, i, doc.page_count, doc.stem)
 
+    @synchronized
     def work(self, key: str) -> PageWork:
         """The page behind a lease key (KeyError for a key not in the manifest)."""
         return self._work(self._ordinal(key))
@@ -392,6 +354,7 @@ class Workspace:
     def _wanted(self, state: int, retry_failed: bool) -> bool:
         return state == PENDING or (retry_failed and state == FAILED_BEFORE)
 
+    @synchronized
     def pending(self, retry_failed: bool = False) -> list[PageWork]:
         """Pages still to do, in manifest order: not done; failed ones (from earlier runs) only
         with retry_failed. O(pages): call it once, or use ``grant``."""
@@ -404,6 +367,7 @@ class Workspace:
             if self._wanted(self._state[o], retry_failed):
                 yield self._work(o)
 
+    @synchronized
     def grant(self, worker: str, max_pages: int, ttl_s: float, retry_failed: bool = False) -> Lease | None:
         """Expire overdue leases, then lease up to max_pages pages: O(pages granted), where
         ``leases.grant(worker, ws.pending(), ...)`` is O(manifest) per call."""
@@ -424,6 +388,7 @@ class Workspace:
         if self._state[ordinal] == DONE:
             raise PageAlreadyDone(f"page {key} is already committed; refusing to write it twice")
 
+    @synchronized
     def commit(self, lease: Lease, key: str, result: PageResult) -> None:
         """Write a page's outputs durably, then its done record; StaleLease / PageAlreadyDone
         before anything is written."""
@@ -446,7 +411,7 @@ class Workspace:
                 line["record"] = result.record
             line["images"] = sorted(result.images)
             start = self._shards[shard].length
-            end = self._shards[shard].append(_json_line(line))
+            end = self._shards[shard].append(json_line(line))
         else:
             stem = f"{doc.stem}_{index + 1:04d}"
             if "md" in self.formats:
@@ -454,12 +419,13 @@ class Workspace:
             if "json" in self.formats:
                 self._write_output(f"{stem}.json", (json.dumps(result.record, ensure_ascii=False, indent=4) + "\n").encode())
         for d in sorted(dirs):
-            _fsync_dir(d)
+            fsync_dir(d)
         self._finish(lease, key, ordinal, DoneRecord(Outcome.DONE, ordinal, shard, start, end, self._now_ms()))
         doc.done += 1
         if self._doc_complete(doc):
             self._write_document_markdown(doc)
 
+    @synchronized
     def fail(self, lease: Lease, key: str, stage: str, message: str) -> None:
         """Record a page that could not be parsed: an errors.jsonl line, then its failed record.
         A rerun leaves it alone unless asked to retry failed pages."""
@@ -485,7 +451,7 @@ class Workspace:
         return int(time.time() * 1000)
 
     def _append_error(self, entry: dict) -> int:
-        return self._errors.append(_json_line(entry))
+        return self._errors.append(json_line(entry))
 
     # ------------------------------------------------------------------ output files
     def _write_output(self, name: str, data: bytes) -> str:
@@ -494,19 +460,8 @@ class Workspace:
             raise ValueError(f"output name {name!r} must be a relative path inside the output directory")
         path = self.root.joinpath(*rel.parts)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._write_atomic(str(path), data)
+        write_atomic(str(path), data)
         return str(path)
-
-    @staticmethod
-    def _write_atomic(path: str, data: bytes) -> None:
-        """temp + fsync + rename: a reader (or a rerun) sees the old file or the whole new one.
-        The temp name is fixed per target, so a crash's leftover is replaced when the page is redone."""
-        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def _doc_complete(self, doc: _Doc) -> bool:
         return (doc.done == doc.n_pages and not self.jsonl_shards and "md" in self.formats)
@@ -515,9 +470,10 @@ class Workspace:
         from .assemble import document_markdown
         pages = [(self.root / f"{doc.stem}_{i + 1:04d}.md").read_text(encoding="utf-8") for i in doc.page_indices()]
         self._write_output(f"{doc.stem}.md", document_markdown(pages).encode())
-        _fsync_dir(str(self.root))
+        fsync_dir(str(self.root))
 
     # ------------------------------------------------------------------ status, closing
+    @synchronized
     def status(self) -> WorkspaceStatus:
         counts = np.bincount(np.frombuffer(bytes(self._state), dtype=np.uint8), minlength=4)
         failed = int(counts[FAILED_BEFORE] + counts[FAILED_NOW])
@@ -527,6 +483,7 @@ class Workspace:
             total=len(self._state), documents=self._totals.documents, input_errors=self._totals.input_errors,
             last_commit_at=self._last_commit)
 
+    @synchronized
     def close(self) -> None:
         for log in self._logs:
             log.close()
