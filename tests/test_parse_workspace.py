@@ -147,6 +147,71 @@ def test_bad_page_indices_and_unknown_keys_are_clear_errors(tmp_path):
         assert ws.status().total == 0
 
 
+def test_commit_guards_name_the_problem(tmp_path):
+    with open_ws(tmp_path) as ws:
+        with pytest.raises(ValueError, match="digest must be the file's lowercase hex sha256"):
+            ws.add_document("/x/a.pdf", "not-hex", [0], 1)
+        ws.add_document("/x/a.pdf", "ab" * 32, [0, 1], 2)
+        with pytest.raises(ValueError, match="share the page-key prefix abababababababab"):
+            ws.add_document("/x/b.pdf", "ab" * 8 + "cd" * 24, [0], 1)
+        lease = ws.grant("w", 2, 60)
+        first, second = (ws.work(k) for k in lease.keys)
+        with pytest.raises(ValueError, match="result for page index 1 committed as abababababababab:0"):
+            ws.commit(lease, first.key, driver.fake_result(second))
+        bad = driver.fake_result(first)
+        bad.images = {"../escape.png": b"x"}
+        with pytest.raises(ValueError, match="'../escape.png' must be a relative path inside the output"):
+            ws.commit(lease, first.key, bad)
+        ws.commit(lease, first.key, driver.fake_result(first))   # nothing half-done blocks a good commit
+        assert ws.status().done == 1 and not (tmp_path.parent / "escape.png").exists()
+
+
+def test_a_failed_append_leaves_no_partial_record(tmp_path, monkeypatch):
+    """Disk full mid-commit: the partial shard line is cut off, the page stays open, and the
+    retried commit's line and offsets are exact."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    _run_uninterrupted(ref, jsonl_shards=1)
+    with open_ws(out, jsonl_shards=1) as ws:
+        add_docs(ws)
+        lease = ws.grant("w", 6, 60)
+        real_fsync = os.fsync
+        calls = {"n": 0}
+
+        def fsync_fails_once(fd):          # on the shard's append, after its bytes were written
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".jsonl") and not calls["n"]:
+                calls["n"] += 1
+                assert os.fstat(fd).st_size > 0
+                raise OSError(28, "No space left on device")
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync_fails_once)
+        with pytest.raises(OSError, match="No space left"):
+            ws.commit(lease, lease.keys[0], driver.fake_result(ws.work(lease.keys[0])))
+        assert calls["n"] == 1 and (out / "pages-00000-of-00001.jsonl").stat().st_size == 0
+        for key in lease.keys:
+            ws.commit(lease, key, driver.fake_result(ws.work(key)))
+    with open_ws(out, jsonl_shards=1) as ws:
+        assert ws.pending() == []
+    assert tree(out) == tree(ref)
+
+
+def test_manifest_records_that_disagree_are_refused(tmp_path):
+    with open_ws(tmp_path) as ws:
+        add_docs(ws, n_docs=1, n_pages=2)
+    manifest = tmp_path / journal.STATE_DIR / "manifest.log"
+    line = manifest.read_bytes()
+    _, body = journal.decode_manifest_line(line)
+    manifest.write_bytes(journal.encode_manifest_line(journal.ManifestTotals(5, 1, 0), body))
+    with pytest.raises(journal.CorruptWorkspace, match="totals say 5 pages, records add up to 2"):
+        open_ws(tmp_path)
+    manifest.write_bytes(journal.encode_manifest_line(journal.ManifestTotals(2, 1, 0), {**body, "first": 3}))
+    with pytest.raises(journal.CorruptWorkspace, match="start at 3, expected 0"):
+        open_ws(tmp_path)
+    (tmp_path / journal.STATE_DIR / "workspace.json").unlink()
+    with pytest.raises(FingerprintMismatch, match="workspace.json is missing but a manifest exists"):
+        open_ws(tmp_path)
+
+
 # ---------------------------------------------------------------------------------- torn tails
 def _run_uninterrupted(out, **kw):
     with open_ws(out, **kw) as ws:

@@ -298,6 +298,8 @@ class Workspace:
         another path is the same work: the new path is recorded for rendering, its outputs keep
         the first path's names. Returns the number of pages newly added."""
         path = str(path)
+        if len(digest) < 16 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{path}: digest must be the file's lowercase hex sha256, got {digest!r}")
         bad = [i for i in page_indices if not 0 <= i < page_count]
         if bad or len(set(page_indices)) != len(page_indices):
             raise ValueError(f"{path}: page indices must be distinct and in 0..{page_count - 1}, got {sorted(page_indices)}")
@@ -464,7 +466,7 @@ class Workspace:
         return str(path)
 
     def _doc_complete(self, doc: _Doc) -> bool:
-        return (doc.done == doc.n_pages and not self.jsonl_shards and "md" in self.formats)
+        return (0 < doc.n_pages == doc.done and not self.jsonl_shards and "md" in self.formats)
 
     def _write_document_markdown(self, doc: _Doc) -> None:
         from .assemble import document_markdown
