@@ -6,45 +6,16 @@ compares the directory with an uninterrupted run's.
     python tests/parse_workspace_driver.py OUT [--docs 4] [--pages 6] [--shards N] [--sleep-ms 8]
 
 Prints one "commit <key>" line per page (flushed) so a test can pick its moment to kill.
-Also the home of the test-only stand-in for parsing/assemble.py while that module is absent.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import random
-import sys
 import time
-import types
-from dataclasses import dataclass
 
-try:
-    from fastdeploy_ext.parsing.assemble import PageMeta, PageResult
-except ImportError:        # stand-in until the content side of the package lands (tests only)
-    @dataclass
-    class PageMeta:
-        input_path: str
-        page_index: int
-        page_count: int
-        width: int
-        height: int
-
-    @dataclass
-    class PageResult:
-        meta: PageMeta
-        markdown: str
-        record: dict
-        images: dict
-
-    def document_markdown(pages: list[str]) -> str:
-        parts = [p.strip("\n") for p in pages if p.strip()]
-        return "\n\n".join(parts) + "\n" if parts else ""
-
-    _mod = types.ModuleType("fastdeploy_ext.parsing.assemble")
-    _mod.PageMeta, _mod.PageResult, _mod.document_markdown = PageMeta, PageResult, document_markdown
-    sys.modules["fastdeploy_ext.parsing.assemble"] = _mod
-
-from fastdeploy_ext.parsing.workspace import PageWork, Workspace  # noqa: E402
+from fastdeploy_ext.parsing.assemble import PageMeta, PageResult
+from fastdeploy_ext.parsing.workspace import PageWork, Workspace
 
 FINGERPRINT = {"vlm": "fake-vlm@1", "layout": "fake-layout@1", "dpi": 144}
 

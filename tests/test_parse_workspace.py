@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import parse_workspace_driver as driver  # noqa: E402  (also installs the assemble stand-in if needed)
+import parse_workspace_driver as driver  # noqa: E402
 
 from fastdeploy_ext.parsing import journal  # noqa: E402
 from fastdeploy_ext.parsing.leases import LeaseTable, StaleLease  # noqa: E402
