@@ -505,6 +505,7 @@ def test_status_counts_from_files_match_the_workspace(tmp_path):
     assert st.last_commit_at is not None and st.pages_per_s >= 0
     assert format_status(st).splitlines()[0] == "pages: 5 done, 2 failed, 5 pending of 12 (41.7 % done)"
     assert json.loads(format_status(st, json=True))["pending"] == 5
+    assert format_status(st, as_json=True) == format_status(st, json=True)
     with pytest.raises(FileNotFoundError, match="is not a parse workspace"):
         workspace_status(tmp_path / "nowhere")
 

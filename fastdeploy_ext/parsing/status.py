@@ -71,9 +71,10 @@ def workspace_status(output_dir: str) -> WorkspaceStatus:
         last_commit_at=float(recent.max()) / 1000.0 if len(recent) else None)
 
 
-def format_status(st: WorkspaceStatus, json: bool = False) -> str:
-    """What ``parse-status`` prints: one JSON object, or a few lines for people."""
-    if json:
+def format_status(st: WorkspaceStatus, json: bool = False, *, as_json: bool | None = None) -> str:
+    """What ``parse-status`` prints: one JSON object, or a few lines for people
+    (``as_json``: the same switch under a name that does not shadow the module)."""
+    if json or as_json:
         return _json.dumps(asdict(st), sort_keys=True)
     share = f" ({100.0 * st.done / st.total:.1f} % done)" if st.total else ""
     lines = [f"pages: {st.done:,} done, {st.failed:,} failed, {st.pending:,} pending of {st.total:,}{share}",
