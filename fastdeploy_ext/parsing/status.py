@@ -83,6 +83,7 @@ def format_status(st: WorkspaceStatus, json: bool = False, *, as_json: bool | No
         lines.append("rate: no page committed yet")
     else:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(st.last_commit_at))
-        lines.append(f"rate: {st.pages_per_s:.2f} pages/s over the last {RATE_WINDOW_S:.0f} s of commits "
-                     f"(last commit {when})")
+        rate = (f"{st.pages_per_s:.2f} pages/s over the last {RATE_WINDOW_S:.0f} s of commits" if st.pages_per_s > 0
+                else f"not measured (one commit in the last {RATE_WINDOW_S:.0f} s of commits)")
+        lines.append(f"rate: {rate} (last commit {when})")
     return "\n".join(lines)

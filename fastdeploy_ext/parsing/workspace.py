@@ -18,19 +18,19 @@ import os
 import threading
 import time
 import zlib
-from collections import deque
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
+from .durable import AppendLog, fsync_dir, json_line, truncate, write_atomic
 from .journal import (
     CorruptWorkspace, DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
     iter_done_columns, read_manifest, valid_done_length,
 )
-from .durable import AppendLog, fsync_dir, json_line, truncate, write_atomic
 from .leases import Lease, LeaseTable, StaleLease, synchronized
 from .status import RATE_WINDOW_S, WorkspaceStatus, rate_of
 
