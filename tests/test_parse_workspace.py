@@ -510,6 +510,26 @@ def test_status_counts_from_files_match_the_workspace(tmp_path):
         workspace_status(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_status_rate_is_over_the_last_minute_of_commits(tmp_path, monkeypatch, chunk):
+    import functools
+    from fastdeploy_ext.parsing import status
+    with open_ws(tmp_path) as ws:
+        ws.add_document("/in/a.pdf", "ab" * 32, list(range(30)), 30)
+    t_end = 1_800_000_000_000
+    times = [t_end - 10_000_000 + i * 1_000_000 for i in range(5)]          # long ago: outside the window
+    times += [t_end - 1000 + i * 100 for i in range(11)]                      # 11 commits in the last second
+    records = [journal.DoneRecord(journal.Outcome.DONE, i, 0, 0, 0, t) for i, t in enumerate(times)]
+    records.insert(8, journal.DoneRecord(journal.Outcome.FAILED, 29, 0, 0, 0, t_end - 500))  # no rate
+    (tmp_path / journal.STATE_DIR / "done.log").write_bytes(b"".join(map(journal.encode_done_record, records)))
+    monkeypatch.setattr(status, "iter_done_columns", functools.partial(journal.iter_done_columns, chunk_records=chunk))
+    st = workspace_status(tmp_path)
+    assert (st.done, st.failed, st.pending) == (16, 1, 13)
+    assert st.pages_per_s == pytest.approx(10.0) and st.last_commit_at == t_end / 1000
+    assert format_status(st).splitlines()[2] == (
+        "rate: 10.00 pages/s over the last 60 s of commits (last commit 2027-01-15 08:00:00 UTC)")
+
+
 def test_status_decodes_many_records_in_chunks(tmp_path, monkeypatch):
     """The numpy decoder across chunk boundaries, against the per-record decoder."""
     _run_uninterrupted(tmp_path)
@@ -527,12 +547,13 @@ def _records(path):
 
 # ---------------------------------------------------------------------------------- SIGKILL
 @pytest.mark.parametrize("shards", [None, 3])
-def test_sigkill_at_random_moments_then_rerun_gives_each_page_once(tmp_path, shards):
+@pytest.mark.parametrize("sleep_ms", [6, 0])     # 0: the kills land inside commits (fsyncs) nearly always
+def test_sigkill_at_random_moments_then_rerun_gives_each_page_once(tmp_path, shards, sleep_ms):
     n_docs, n_pages = 4, 8
-    args = ["--docs", str(n_docs), "--pages", str(n_pages), "--sleep-ms", "6"] + (["--shards", str(shards)] if shards else [])
+    args = ["--docs", str(n_docs), "--pages", str(n_pages), "--sleep-ms", str(sleep_ms)] + (["--shards", str(shards)] if shards else [])
     ref, out = tmp_path / "ref", tmp_path / "out"
     subprocess.run([sys.executable, DRIVER, str(ref), *args], check=True, capture_output=True, timeout=120)
-    rng = random.Random(1234 + (shards or 0))
+    rng = random.Random(1234 + (shards or 0) + sleep_ms)
     kills = 0
     for _ in range(4):
         proc = subprocess.Popen([sys.executable, DRIVER, str(out), *args], stdout=subprocess.PIPE, text=True)
