@@ -79,7 +79,7 @@ class PageWork:
         return f"imgs/{self.stem}_{self.page_index + 1:04d}"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Doc:
     doc_id: int
     path: str
