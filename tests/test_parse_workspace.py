@@ -301,6 +301,21 @@ def test_torn_manifest_tail_truncated_and_document_added_again(tmp_path):
     assert (tmp_path / journal.STATE_DIR / "manifest.log").read_bytes() == (ref / journal.STATE_DIR / "manifest.log").read_bytes()
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
+def test_manifest_totals_read_backwards_in_any_chunk_size(tmp_path, chunk):
+    with open_ws(tmp_path) as ws:
+        add_docs(ws, n_docs=3, n_pages=2)
+        ws.add_input_error("/in/x.pdf", "input", "x" * 300)          # a line longer than the small chunks
+    manifest = str(tmp_path / journal.STATE_DIR / "manifest.log")
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals(6, 3, 1)
+    size = os.path.getsize(manifest)
+    os.truncate(manifest, size - 5)                                  # the long line torn
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals(6, 3, 0)
+    with open(manifest, "r+b") as f:                                 # only a torn first line left
+        f.truncate(40)
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals()
+
+
 def test_damage_before_valid_manifest_records_is_refused(tmp_path):
     with open_ws(tmp_path) as ws:
         add_docs(ws, n_docs=3, n_pages=1)

@@ -95,27 +95,25 @@ def read_manifest(path: str) -> tuple[list[dict], ManifestTotals, int]:
 
 
 def manifest_totals(path: str, chunk: int = 1 << 16) -> ManifestTotals:
-    """The totals of the last valid manifest line, reading the file backwards from its end."""
+    """The totals of the last valid manifest line, reading the file backwards from its end
+    (whatever the file's size: a few KB are read unless the tail is damaged)."""
     if not os.path.exists(path):
         return ManifestTotals()
     with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        tail = b""
-        pos = end
+        pos = f.seek(0, os.SEEK_END)
+        carry = b""              # the start of the earliest line seen so far (its newline included)
         while pos > 0:
             step = min(chunk, pos)
             pos -= step
             f.seek(pos)
-            tail = f.read(step) + tail
-            lines = tail.split(b"\n")
-            # lines[0] may start mid-record unless we reached the file's start
-            complete = lines[1:-1] if pos > 0 else lines[:-1]
-            for line in reversed(complete):
-                rec = decode_manifest_line(line + b"\n")
-                if rec is not None:
-                    return rec[0]
-            if pos > 0:
-                tail = lines[0]          # keep the partial first line for the next, earlier chunk
+            pieces = (f.read(step) + carry).split(b"\n")
+            # pieces[-1] follows the last newline (torn or empty); pieces[0] may begin mid-line
+            # unless this chunk starts the file
+            first = 0 if pos == 0 else 1
+            for line in reversed(pieces[first:-1]):
+                if _manifest_payload(line + b"\n") is not None:
+                    return _totals_of(line)
+            carry = pieces[0] + (b"\n" if len(pieces) > 1 else b"") if first else b""
         return ManifestTotals()
 
 
