@@ -425,6 +425,11 @@ def test_lease_table_returns_expired_pages_first_and_counts_attempts():
     assert not table.check(a) and table.check(b) and table.check_key(c, pages[4].key)
     assert not table.check_key(b, pages[0].key)
     assert table.grant("d", pages, 3, 5) is None
+    table.settle(b, pages[2].key)
+    clock.t += 100                                   # b and c expire; pages[2] was settled under b
+    assert {lease.lease_id for lease in table.expire()} == {b.lease_id, c.lease_id}
+    d = table.grant("d", pages, 5, 5)
+    assert sorted(d.keys) == sorted(p.key for p in pages if p is not pages[2])
     with pytest.raises(ValueError, match="max_pages >= 1"):
         table.grant("e", pages, 0, 5)
 
