@@ -506,7 +506,25 @@ def test_jsonl_shards_one_line_per_page_in_the_keys_shard(tmp_path):
     for key, (i, rec) in seen.items():
         want = driver.fake_result(ws.work(key))
         assert i == shard_of(key, 3)
-        assert rec["markdown"] == want.markdown and "record" not in rec and rec["images"] == sorted(want.images)
+        assert rec == {"key": key, "input_path": want.meta.input_path, "page_index": want.meta.page_index,
+                       "page_count": want.meta.page_count, "markdown": want.markdown, "images": sorted(want.images)}
+
+
+def test_jsonl_shard_line_is_the_paddlex_record_with_key_markdown_and_images(tmp_path):
+    with open_ws(tmp_path, jsonl_shards=1) as ws:
+        add_docs(ws, n_docs=1, n_pages=1)
+        (key,) = commit_all(ws)
+        want = driver.fake_result(ws.work(key))
+        line = (tmp_path / "pages-00000-of-00001.jsonl").read_bytes()
+        assert list(json.loads(line)) == ["key", *want.record, "markdown", "images"]
+        assert json.loads(line) == {"key": key, **want.record, "markdown": want.markdown, "images": sorted(want.images)}
+    with open_ws(tmp_path / "clash", jsonl_shards=1) as ws:
+        add_docs(ws, n_docs=1, n_pages=1)
+        lease = ws.grant("w", 1, 60)
+        bad = driver.fake_result(ws.work(lease.keys[0]))
+        bad.record["markdown"] = "x"
+        with pytest.raises(ValueError, match=r"has fields \['markdown'\] that its shard line uses itself"):
+            ws.commit(lease, lease.keys[0], bad)
 
 
 def test_status_counts_from_files_match_the_workspace(tmp_path):

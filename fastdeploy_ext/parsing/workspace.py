@@ -405,13 +405,7 @@ class Workspace:
         shard = start = end = 0
         if self.jsonl_shards:
             shard = shard_of(key, self.jsonl_shards)
-            line = {"key": key, "input_path": result.meta.input_path, "page_index": index,
-                    "page_count": result.meta.page_count}
-            if "md" in self.formats:
-                line["markdown"] = result.markdown
-            if "json" in self.formats:
-                line["record"] = result.record
-            line["images"] = sorted(result.images)
+            line = self._shard_line(key, result)
             start = self._shards[shard].length
             end = self._shards[shard].append(json_line(line))
         else:
@@ -426,6 +420,21 @@ class Workspace:
         doc.done += 1
         if self._doc_complete(doc):
             self._write_document_markdown(doc)
+
+    def _shard_line(self, key: str, result: PageResult) -> dict:
+        """A shard's line is the page's PaddleX record itself (DESIGN.md section 5: one such
+        record per page), led by its key, with the Markdown and the crop names after it."""
+        meta = result.meta
+        if "json" in self.formats:
+            record = result.record
+        else:
+            record = {"input_path": meta.input_path, "page_index": meta.page_index, "page_count": meta.page_count}
+        extra = {"markdown": result.markdown} if "md" in self.formats else {}
+        extra["images"] = sorted(result.images)
+        clash = sorted(({"key"} | set(extra)) & set(record))
+        if clash:
+            raise ValueError(f"page record of {key} has fields {clash} that its shard line uses itself")
+        return {"key": key, **record, **extra}
 
     @synchronized
     def fail(self, lease: Lease, key: str, stage: str, message: str) -> None:
