@@ -29,7 +29,7 @@ import numpy as np
 from .durable import AppendLog, fsync_dir, json_line, truncate, write_atomic
 from .journal import (
     CorruptWorkspace, DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
-    iter_done_columns, read_manifest, valid_done_length,
+    iter_done_columns, ManifestReader, valid_done_length,
 )
 from .leases import Lease, LeaseTable, StaleLease, synchronized
 from .status import RATE_WINDOW_S, WorkspaceStatus, rate_of
@@ -204,11 +204,12 @@ class Workspace:
 
     def _recover(self) -> None:
         """Replay the manifest and the done log, cutting torn tails and uncommitted output."""
-        bodies, totals, valid = read_manifest(self.paths.manifest)
+        manifest = ManifestReader(self.paths.manifest)
         errors_end = 0
-        for body in bodies:
+        for body in manifest:
             self._apply(body)
             errors_end = max(errors_end, body.get("errors_end", 0))
+        totals, valid = manifest.totals, manifest.valid_length
         if totals.pages != len(self._state):
             raise CorruptWorkspace(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._state)}")
         self._totals = totals
