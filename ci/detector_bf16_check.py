@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    from fastdeploy_ext.bench.detect import make_pages, reference_with_our_weights
+    from fastdeploy_ext.bench.detect import make_pages
     from fastdeploy_ext.plan import PlanRequest
     from fastdeploy_ext.runner import create_runner
     runner = create_runner(PlanRequest(device=args.device, dtype="bfloat16"))
     runner.load_detector(None, load_format="dummy")
     cfg, dev = runner.detector_cfg, runner.device
-    ref = reference_with_our_weights(runner.detector, cfg).to(dev, torch.float32)
+    ref = runner.detector_family.transformers_reference(None, runner.detector, cfg).to(dev, torch.float32)
     px = make_pages(args.batch, runner.detector_input_size()).to(dev)
     with torch.inference_mode():
         want = ref(pixel_values=px)

@@ -46,8 +46,8 @@ def test_the_dummy_reference_holds_our_weights():
     transformers give the same outputs (the tiny config: the default one takes minutes here)."""
     import torch
 
-    from fastdeploy_ext.bench.detect import reference_with_our_weights
-    from fastdeploy_ext.conformance import tiny_detector as td
+    from fastdeploy_ext.models.pp_doclayout_v3.reference import reference_with_our_weights
+    from fastdeploy_ext.models.pp_doclayout_v3 import tiny as td
     from fastdeploy_ext.models.pp_doclayout_v3.config import PPDocLayoutV3Config
     from fastdeploy_ext.models.pp_doclayout_v3.loader import load_detector
     cfg = PPDocLayoutV3Config.from_dict(dict(td.TINY) | {"backbone_config": td.BACKBONE})

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdeploy_ext.capabilities import capability_table
-from fastdeploy_ext.conformance import tiny_detector as td
+from fastdeploy_ext.models.pp_doclayout_v3 import tiny as td
 from fastdeploy_ext.detector_graphs import DetectorGraphs, bucket_for, plan_chunks
 from fastdeploy_ext.device_api import DeviceAPI
 from fastdeploy_ext.models.pp_doclayout_v3.config import PPDocLayoutV3Config

@@ -16,7 +16,6 @@ are compared (`same_detections`: labels and reading order equal, scores within 1
 here asserts a time."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -83,51 +82,14 @@ def options_from_args(args) -> DetectBenchOptions:
 
 
 # ------------------------------------------------------------------ the reference
-def transformers_config(cfg):
-    """transformers' PPDocLayoutV3Config for our config (the same architecture)."""
-    from transformers import PPDocLayoutV3Config
-    skip = {"backbone", "labels", "image_size"}
-    kw = {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(cfg)
-          if f.name not in skip for v in [getattr(cfg, f.name)]}
-    bb = {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(cfg.backbone)
-          for v in [getattr(cfg.backbone, f.name)]}
-    bb |= {"model_type": "hgnet_v2", "hidden_sizes": list(cfg.backbone.stage_out_channels),
-           "out_features": [f"stage{i}" for i in cfg.backbone.out_indices]}
-    bb.pop("out_indices")
-    kw["positional_encoding_temperature"] = int(kw["positional_encoding_temperature"])    # an int field there
-    return PPDocLayoutV3Config(backbone_config=bb, id2label=dict(enumerate(cfg.labels)), **kw)
-
-
-def reference_with_our_weights(model, cfg):
-    """transformers' model of ``cfg`` holding ``model``'s weights: written as the checkpoint
-    save_pretrained would (our names are its converted names under ``model.``) and read back by
-    from_pretrained, which maps them onto its modules; a reference tensor left unloaded other than
-    the ones inference does not read is an error."""
-    import tempfile
-
-    from safetensors.torch import save_file
-    from transformers import PPDocLayoutV3ForObjectDetection
-
-    from ..models.pp_doclayout_v3.loader import PREFIX
-    with tempfile.TemporaryDirectory(prefix="fdx-bench-detect-") as d:
-        transformers_config(cfg).save_pretrained(d)
-        save_file({PREFIX + k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()},
-                  f"{d}/model.safetensors", metadata={"format": "pt"})
-        ref, info = PPDocLayoutV3ForObjectDetection.from_pretrained(d, output_loading_info=True)
-    left = [k for k in info["missing_keys"] if "denoising_class_embed" not in k and not k.endswith("num_batches_tracked")]
-    if left or info["unexpected_keys"] or info.get("mismatched_keys"):
-        raise BenchError(f"our weights do not map onto transformers' model: missing {left[:3]}, unexpected "
-                         f"{list(info['unexpected_keys'])[:3]}, mismatched {list(info.get('mismatched_keys') or [])[:3]}")
-    return ref.eval()
-
-
 def load_reference(opts: DetectBenchOptions, runner):
-    if opts.model is not None:
-        from transformers import PPDocLayoutV3ForObjectDetection
-        ref = PPDocLayoutV3ForObjectDetection.from_pretrained(opts.model).eval()
-    else:
-        ref = reference_with_our_weights(runner.detector, runner.detector_cfg)
-    return ref.to(device=runner.device, dtype=runner.dtype)
+    """The family's transformers model with the same weights (the checkpoint's, or the loaded
+    detector's random ones), in the runner's device and dtype."""
+    family = runner.detector_family
+    make = getattr(family, "transformers_reference", None)
+    if make is None:
+        raise BenchError(f"detector family {family.name} has no transformers reference (--no-reference: ours only)")
+    return make(opts.model, runner.detector, runner.detector_cfg).to(device=runner.device, dtype=runner.dtype)
 
 
 # ------------------------------------------------------------------ the run
