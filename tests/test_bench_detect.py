@@ -27,7 +27,8 @@ def test_bench_detect_prints_both_sides_per_batch_and_the_same_detections(tmp_pa
     assert all(float(x) > 0 for r in rows for x in r[1:])
     assert "same detections as the reference: True" in text
     result = json.loads(out.read_text())
-    assert result["same_detections"] is True and result["masks"] == "on (both sides)"
+    assert result["same_detections"] is True and result["label_agreement"] == 1.0
+    assert result["masks"] == "on (both sides)"
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     for r in result["rows"]:
         assert r["speedup"] == pytest.approx(r["ref_ms"] / r["ours_ms"])
