@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastdeploy_ext.conformance.detector_checks import check_detections, check_outputs, check_topk_margin
+from fastdeploy_ext.conformance.detector_checks import (check_detections, check_outputs, check_same_kept_set,
+                                                        check_topk_margin)
 from fastdeploy_ext.models.registry import get_family
 from fastdeploy_ext.plan import PlanRequest
 from fastdeploy_ext.runner import get_backend_class
@@ -75,6 +76,11 @@ def test_the_topk_margin_and_goldens_checks_fire():
         check_detections([page[::-1]], golden)
     with pytest.raises(AssertionError, match="bbox"):
         check_detections([[page[0], dataclasses.replace(page[1], bbox=(0, 0, 2, 3))]], golden)
+    # transformers' kept set, in its own order: the same entries pass, a changed score does not
+    ref = [{"labels": [21, 22], "scores": [0.8, 0.9], "boxes": [[0, 0, 2, 2], [0, 0, 1, 1]]}]
+    check_same_kept_set([page], ref)
+    with pytest.raises(AssertionError, match="!= transformers'"):
+        check_same_kept_set([page], [ref[0] | {"scores": [0.8, 0.91]}])
 
 
 @pytest.mark.parametrize("mutation", ["item", "cpu"])

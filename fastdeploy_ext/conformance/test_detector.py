@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ..plan import DEFAULT_DETECTOR_CAPTURE_SIZES, DETECTOR_GRAPH_KIND, ComponentKind, GraphOptimizationConfig
-from .detector_checks import OUTPUTS, check_detections, check_outputs, check_topk_margin
+from .detector_checks import OUTPUTS, check_detections, check_outputs, check_same_kept_set, check_topk_margin
 
 pytestmark = pytest.mark.fdx_detector
 
@@ -33,6 +33,8 @@ def test_detections_equal_the_goldens(runner, detect_case):
     got = runner.detect(detect_case.pixels, detect_case.sizes, threshold=detect_case.threshold)
     assert all(len(page) > 0 for page in got), "the goldens keep detections on every page"
     check_detections(got, detect_case.golden)
+    if detect_case.reference_postprocess is not None:       # transformers' own post-processing, where recorded
+        check_same_kept_set(got, detect_case.reference_postprocess)
 
 
 def test_the_plan_decides_every_detector_component(runner):
