@@ -100,3 +100,20 @@ def test_the_sync_guard_fires_on_the_detect_host_path(runner, case, monkeypatch,
     monkeypatch.setattr(mod, "mask_boxes", syncing)
     with pytest.raises(HostSyncError), checked.sync_guard():
         checked.detect_device(case.pixels)
+
+
+@pytest.mark.parametrize("family,expect,codes", [
+    ("none", "not run on this leg (needs a detector family", (5,)),        # 5: every test deselected
+    ("paddleocr_vl", "paddleocr_vl is no detector family with a detector conformance fixture", (1,)),
+])
+def test_the_detector_family_option_deselects_by_name_or_fails(family, expect, codes):
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "fastdeploy_ext.conformance.test_detector", "--fdx-backend", "cpu", "-k", "plan_decides",
+                        "--fdx-detector-family", family], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ))
+    assert expect in r.stdout, r.stdout[-3000:]
+    assert r.returncode in codes, r.stdout[-2000:]
+    assert f"detector={family}" in r.stdout
