@@ -68,6 +68,7 @@ def test_detector_host_path_makes_no_sync(runner, detect_case):
 
 
 @pytest.mark.fdx_device("cuda")
+@pytest.mark.fdx_backend("cuda")        # the rows listing the detector graph kind (MetaX runs on the H200 too)
 def test_detector_graph_replay_equals_eager_bitwise(make_detector_runner, detect_case):
     r = make_detector_runner(detect_case.model_dir, dtype="float32",
                              graph_config=GraphOptimizationConfig(use_detector_cudagraph=True,
