@@ -22,7 +22,10 @@
 #                (the sampler's finite check on CUDA; the killer values while 16 streams run in the
 #                engine) and ci/fuzz_server.py against a real server (FUZZ_REQUESTS, 2000, with
 #                images at 16 in flight, then the killers while 16 streams run)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate]...
+#   detect (not in "all")  `bench detect --load-format dummy` bf16 at full size (800x800, batch 1/8/32:
+#                ours with its bucket graphs vs transformers, same weights and pixels) and
+#                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -73,6 +76,15 @@ if [[ " $steps " == *" generate "* ]]; then
   timeout ${GENERATE_TIMEOUT:-540} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 \
     --json-out "$OUT/bench_generate.json" ${GENERATE_ARGS:-} > "$OUT/bench_generate.txt" 2>&1 || rc=1
   grep -E "page1|pages64|lines256|Traceback|Error" "$OUT/bench_generate.txt" | tail -12
+fi
+if [[ " $steps " == *" detect "* ]]; then
+  timeout ${DETECT_TIMEOUT:-300} $FDX bench detect --load-format dummy --device cuda --dtype bfloat16 \
+    --batch-sizes ${DETECT_BATCHES:-1,8,32} --json-out "$OUT/bench_detect.json" ${DETECT_ARGS:-} \
+    > "$OUT/bench_detect.txt" 2>&1 || rc=1
+  tail -6 "$OUT/bench_detect.txt"
+  timeout ${DETECT_CHECK_TIMEOUT:-150} python3 ci/detector_bf16_check.py --device cuda \
+    --json-out "$OUT/detector_bf16_check.json" > "$OUT/detector_bf16_check.txt" 2>&1 || rc=1
+  tail -12 "$OUT/detector_bf16_check.txt"
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

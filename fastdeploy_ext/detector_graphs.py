@@ -106,7 +106,9 @@ class _BucketGraph:
     def eager(self):
         """The captured forward run eagerly on the static buffer as the last replay left it (the
         same padded batch): the reference a replay must equal bitwise."""
-        return self.model(self.pixels)
+        from .ops.precision import fp32_convolutions
+        with fp32_convolutions(self.pixels.device, self.pixels.dtype):
+            return self.model(self.pixels)
 
 
 class DetectorGraphs:
@@ -129,7 +131,9 @@ class DetectorGraphs:
         api.empty_cache()
         before = api.reserved_bytes()
         pool, stream = api.graph_pool(), api.new_stream()
-        with torch.inference_mode():
+        from .ops.precision import fp32_convolutions
+        # captured under the eager path's precision (an fp32 plan: no TF32 convolutions)
+        with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
             for b in sorted(self.buckets, reverse=True):    # largest first: smaller ones reuse its pool blocks
                 g = _BucketGraph(self.model, b, self.image_size, device=self.device, dtype=self.dtype)
                 g.capture(api, pool, stream)

@@ -434,11 +434,13 @@ class TorchRunner(DeviceRunner):
         """The detector's raw outputs for pixels already on the device in the compute dtype:
         replayed through its bucket graphs when captured (and the pixels are their size), else
         eager."""
+        from .ops.precision import fp32_convolutions
         with torch.inference_mode():
             g = self.detector_graphs
             if g is not None and tuple(pixels.shape[1:]) == (3, *g.image_size):
                 return g.run(pixels)
-            return self.detector(pixels)
+            with fp32_convolutions(self.device, self.dtype):      # an fp32 plan's convolutions: no TF32
+                return self.detector(pixels)
 
     def _check_detector_pixels(self, pixel_values) -> None:
         if self.detector is None:

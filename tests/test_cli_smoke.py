@@ -33,6 +33,7 @@ COVERED_ELSEWHERE = {
     "serve": "tests/test_serve_dummy.py, tests/test_server.py",
     "bench serve": "tests/test_bench_serve.py (own server and --base-url)",
     "detect": "tests/test_cli_detect.py",
+    "bench detect": "tests/test_bench_detect.py",
 }
 SMOKED_HERE = {"bench vision", "bench gemm", "bench generate", "bench preprocess", "bench attention", "bench layers"}
 

@@ -69,3 +69,19 @@ def check_detections(got: Sequence[Sequence], golden: Sequence[Sequence[Mapping]
                 raise AssertionError(f"page {p} detection {i}: score {d.score} != {e['score']}")
             if max(abs(a - b) for a, b in zip(d.bbox, e["bbox"])) > box_tol:
                 raise AssertionError(f"page {p} detection {i}: bbox {d.bbox} != {e['bbox']}")
+
+
+def check_same_kept_set(got: Sequence[Sequence], reference: Sequence[Mapping], *, score_tol: float = 1e-5,
+                        box_tol: float = 1e-3) -> None:
+    """The detections transformers' post_process_object_detection kept (per page: labels,
+    scores, boxes), compared as a set with ours: the same (label, score, box) entries."""
+    if len(got) != len(reference):
+        raise AssertionError(f"{len(got)} pages, the reference post-processing has {len(reference)}")
+    for p, (page, ref) in enumerate(zip(got, reference)):
+        ours = sorted((d.label_id, d.score, d.bbox) for d in page)
+        theirs = sorted(zip(ref["labels"], ref["scores"], map(tuple, ref["boxes"])))
+        if len(ours) != len(theirs):
+            raise AssertionError(f"page {p}: {len(ours)} detections kept, transformers' post-processing {len(theirs)}")
+        for (la, sa, ba), (lb, sb, bb) in zip(ours, theirs):
+            if la != lb or abs(sa - sb) > score_tol or max(abs(x - y) for x, y in zip(ba, bb)) > box_tol:
+                raise AssertionError(f"page {p}: ({la}, {sa:.6f}, {ba}) != transformers' ({lb}, {sb:.6f}, {bb})")

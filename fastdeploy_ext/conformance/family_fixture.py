@@ -105,6 +105,9 @@ class DetectCase:
     expected: Callable[[], dict[str, dict[str, torch.Tensor]]]   # source -> output name -> fp32 tensor
     golden: list[list[dict]]                             # per page: label, label_id, score, bbox, order
     tolerance: float = 1e-4                              # max abs error of every output (fp32)
+    #: transformers' own post-processing of the reference outputs, per page {labels, scores, boxes},
+    #: where it was available when the goldens were made (it needs torchvision); None: not recorded
+    reference_postprocess: list[dict] | None = None
     topk_margin: float = 1e-3                            # the encoder's k-th vs k+1-th score, at least
 
 

@@ -168,7 +168,7 @@ DETECTOR_OUTPUTS = ("logits", "pred_boxes", "order_logits", "enc_outputs_class",
 
 
 def _make_tiny_detector(dst: Path, inputs: dict[str, Path]) -> None:
-    from .tiny_detector import write_model
+    from ..models.pp_doclayout_v3.tiny import write_model
     write_model(dst)
 
 
@@ -184,7 +184,7 @@ def reference_detector_outputs(model_dir: Path, pixels: torch.Tensor) -> dict[st
 def _make_detector_outputs(dst: Path, inputs: dict[str, Path]) -> None:
     from safetensors.torch import save_file
 
-    from .tiny_detector import PAGE_SIZES, page_pixels
+    from ..models.pp_doclayout_v3.tiny import PAGE_SIZES, page_pixels
     pixels, sizes = page_pixels(inputs["tiny_detector"])
     assert sizes == list(PAGE_SIZES)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,7 @@ def _make_detector_detections(dst: Path, inputs: dict[str, Path]) -> None:
     import ast
     import json
 
-    from .tiny_detector import THRESHOLD
+    from ..models.pp_doclayout_v3.tiny import THRESHOLD
     t, info = read_tensors_with_metadata(inputs["detector_outputs"])
     sizes = [tuple(s) for s in ast.literal_eval(info["page_sizes"])]
     body = {"threshold": THRESHOLD, "page_sizes": [list(s) for s in sizes],
@@ -265,13 +265,13 @@ PRODUCERS: tuple[Producer, ...] = (
              "ids) followed by 6 teacher-forced tokens: rows from the last prompt token on",
              ("tiny_vl", "images"), _make_text_logits),
     Producer("tiny_detector", "model_dir", "tiny_detector",
-             "random tiny PP-DocLayoutV3 (tiny_detector.py: HGNetV2 of 4 one-block stages, d_model 32, 2 decoder "
+             "random tiny PP-DocLayoutV3 (models/pp_doclayout_v3/tiny.py: HGNetV2 of 4 one-block stages, d_model 32, 2 decoder "
              "layers, 300 queries, 25 classes), save_pretrained, fp32 weights, 128x128 processor", (),
              _make_tiny_detector),
     Producer("detector_outputs", "tensors", "expected/detector_outputs.safetensors",
              "transformers PPDocLayoutV3ForObjectDetection outputs (logits, pred_boxes, order_logits, "
              "enc_outputs_class, enc_outputs_coord_logits), fp32 on the CPU, for our processor's pixels of "
-             "tiny_detector.pages() (stored with them)", ("tiny_detector",), _make_detector_outputs),
+             "the family's tiny.pages() (stored with them)", ("tiny_detector",), _make_detector_outputs),
     Producer("detector_detections", "json", "expected/detector_detections.json",
              "the reference outputs post-processed (sigmoid, top-k, threshold, corners in page pixels, reading "
              "order): per page label, score, bbox, order", ("tiny_detector", "detector_outputs"),

@@ -22,7 +22,7 @@ def pytest_addoption(parser):
                 help="model family whose tiny models and references the suite runs (default: the default family)")
     g.addoption("--fdx-detector-family", default=None,
                 help="layout detector family whose tiny model and references the detector tests run (default: the "
-                     "default detector family; none: no detector tests)")
+                     "default detector family with the default --fdx-family, else none; none: no detector tests)")
     g.addoption("--fdx-no-emulate", action="store_true",
                 help="never emulate a missing device (fail instead of entering the backend's emulation mode)")
 
@@ -52,8 +52,13 @@ def family_option(config) -> str:
 
 
 def detector_family_option(config) -> str | None:
-    from ..models.registry import DEFAULT_DETECTOR_FAMILY
-    name = config.getoption("--fdx-detector-family") or DEFAULT_DETECTOR_FAMILY
+    """The detector family the detector tests run (None: none). Default: the default detector
+    family alongside the default VLM family (the pipeline they form); a run for another VLM
+    family (e.g. an out-of-tree one) runs none unless --fdx-detector-family names one."""
+    from ..models.registry import DEFAULT_DETECTOR_FAMILY, DEFAULT_FAMILY
+    name = config.getoption("--fdx-detector-family")
+    if name is None:
+        name = DEFAULT_DETECTOR_FAMILY if family_option(config) == DEFAULT_FAMILY else "none"
     return None if name == "none" else name
 
 
@@ -166,7 +171,7 @@ def _deselect_detector_tests(config, items) -> None:
         return
     drop = [i for i in items if i.get_closest_marker("fdx_detector")]
     if drop:
-        config._fdx_not_run += [(i.nodeid, "detector family", "none (--fdx-detector-family none)") for i in drop]
+        config._fdx_not_run += [(i.nodeid, "detector family", "none (--fdx-detector-family)") for i in drop]
         config.hook.pytest_deselected(items=drop)
         items[:] = [i for i in items if i not in drop]
 
@@ -233,4 +238,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for nodeid in config._fdx_skips.skipped:
         terminalreporter.write_line(f"SKIPPED conformance test (a skipped check is not a pass): {nodeid}", red=True)
     terminalreporter.write_sep("=", f"fastdeploy_ext conformance{tag}: backend={backend} "
-                                    f"family={family_option(config)} {plan}")
+                                    f"family={family_option(config)} detector={detector_family_option(config) or 'none'}"
+                                    f" {plan}")

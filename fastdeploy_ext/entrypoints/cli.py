@@ -347,6 +347,11 @@ def build_parser():
     bg = command_parser(bsub, "gemm", "GEMM ceiling on the encoder's shapes vs the encoder's own GEMM rate")
     gemm_bench.add_arguments(bg)
     bg.set_defaults(func=gemm_bench.run_cli)
+    from ..bench import detect as detect_bench
+    bd = command_parser(bsub, "detect", "layout detector (PP-DocLayoutV3) ms per batch and pages/s at batch 1, 8, "
+                                        "32 vs transformers, same weights and pixels")
+    detect_bench.add_arguments(bd)
+    bd.set_defaults(func=detect_bench.run_cli)
 
     # listed here for --help; main() hands `serve` to the api_server module (one code path,
     # which also expands --config FILE.yaml before parsing)

@@ -21,7 +21,7 @@ class Detector:
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
                  load_format: str = "auto", model_family: str | None = None,
-                 threshold: float = DEFAULT_THRESHOLD, request: PlanRequest | None = None, masks: bool = False):
+                 threshold: float = DEFAULT_THRESHOLD, request: PlanRequest | None = None, masks: bool | None = None):
         from ..runner import create_runner
         if model is None:
             load_format = "dummy"
@@ -32,6 +32,8 @@ class Detector:
         self.load_report = self.runner.load_detector(model, load_format=load_format, model_family=model_family,
                                                      masks=masks)
         self.family, self.cfg = self.runner.detector_family, self.runner.detector_cfg
+        # the plan's batch-size bucket graphs (CUDA rows); a no-op report with the reason elsewhere
+        self.graph_report = self.runner.capture_detector_graphs()
         self.processor = self.family.image_processor(None if load_format == "dummy" else model, self.cfg)
 
     @property

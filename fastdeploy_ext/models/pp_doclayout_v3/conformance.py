@@ -1,6 +1,6 @@
 """PP-DocLayoutV3's conformance fixture: the tiny checkpoint, pages and transformers outputs the
 suite ships as package data (conformance/reference_data: tiny_detector, detector_outputs,
-detector_detections, produced by conformance/make_references.py from conformance/tiny_detector.py),
+detector_detections, produced by conformance/make_references.py from tiny.py),
 and, where transformers is installed, the same outputs computed live. A reference that is
 missing or whose inputs changed is an error, never a skip."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ class PPDocLayoutV3Conformance(DetectorConformanceFixture):
 
     def detect_case(self) -> DetectCase:
         from ...conformance.make_references import pixels_sha256
-        from ...conformance.tiny_detector import page_pixels
+        from .tiny import page_pixels
         model_dir = self.references.path("tiny_detector")
         shipped, info = self.references.tensors("detector_outputs")
         pixels, sizes = page_pixels(model_dir)
@@ -45,4 +45,5 @@ class PPDocLayoutV3Conformance(DetectorConformanceFixture):
         assert [tuple(s) for s in ast.literal_eval(info["page_sizes"])] == sizes
         golden = self.references.json("detector_detections")
         return DetectCase(model_dir, pixels, sizes, shipped["logits"].shape[1], golden["threshold"],
-                          lambda: self._expected(model_dir, pixels, shipped), golden["pages"])
+                          lambda: self._expected(model_dir, pixels, shipped), golden["pages"],
+                          reference_postprocess=golden.get("transformers"))

@@ -44,6 +44,11 @@ class PPDocLayoutV3Family(DetectorFamily):
         from .conformance import PPDocLayoutV3Conformance
         return PPDocLayoutV3Conformance(workdir)
 
+    def transformers_reference(self, model_dir, model, cfg):
+        """transformers' model with the same weights (bench detect's reference; needs transformers)."""
+        from .reference import transformers_reference
+        return transformers_reference(model_dir, model, cfg)
+
     def postprocess(self, cfg, outputs, sizes, *, threshold):
         from .postprocess import detections
         return detections(outputs.logits, outputs.pred_boxes, outputs.order_logits, sizes, cfg.labels,

@@ -1,5 +1,5 @@
-"""The conformance suite's tiny PP-DocLayoutV3: built by transformers (its
-PPDocLayoutV3ForObjectDetection, every weight drawn from one seed so nothing is degenerate:
+"""The conformance suite's tiny PP-DocLayoutV3 (the family's own reference builder): built by
+transformers (its PPDocLayoutV3ForObjectDetection, every weight drawn from one seed so nothing is degenerate:
 transformers' init zeroes the deformable attention's projections and gives BatchNorm weights of
 ~0.01), written by ``save_pretrained``, with the pages it is run on. Used by make_references.py
 (the shipped checkpoint and goldens) and, where transformers imports, for the live reference.
@@ -35,7 +35,7 @@ THRESHOLD = 0.95                # random weights put the top scores near 1: 11 o
 def build_reference(seed: int = SEED):
     from transformers import PPDocLayoutV3Config, PPDocLayoutV3ForObjectDetection
 
-    from ..models.pp_doclayout_v3.config import RELEASED_LABELS
+    from .config import RELEASED_LABELS
     cfg = PPDocLayoutV3Config(backbone_config=dict(BACKBONE), id2label=dict(enumerate(RELEASED_LABELS)), **TINY)
     torch.manual_seed(seed)
     model = PPDocLayoutV3ForObjectDetection(cfg).eval()
@@ -79,7 +79,7 @@ def pages() -> list[torch.Tensor]:
 
 def page_pixels(model_dir: Path) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Our processor's pixels for the pages (the model dir's preprocessor config) and their sizes."""
-    from ..models.pp_doclayout_v3.processor import DetectorImageProcessor, DetectorPreprocessorConfig
+    from .processor import DetectorImageProcessor, DetectorPreprocessorConfig
     proc = DetectorImageProcessor(DetectorPreprocessorConfig.from_model_dir(str(model_dir)))
     return proc.preprocess(pages())
 
