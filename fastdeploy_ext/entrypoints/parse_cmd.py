@@ -1,8 +1,8 @@
 """`fastdeploy-ext parse` and `fastdeploy-ext parse-status` (DESIGN.md section 5's forms; the
 flags keep their names and meaning, more may be added).
 
-Exit status of `parse`: 0 every page is done; 3 the run finished but some pages (or whole inputs)
-failed: they are in errors.jsonl (rerun with --retry-failed to try them again); 2 a usage error
+Exit status of `parse`: 0 every page is done; 3 the run finished but some pages failed, are still
+pending (a worker lost) or some inputs could not be opened: they are in errors.jsonl (rerun with --retry-failed to try them again); 2 a usage error
 (bad flag value, missing input, a workspace made with other options), nothing parsed.
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ def add_parse_commands(sub, command_parser) -> None:
     p.add_argument("--gpus", default=None, metavar="0,1", help="CUDA devices of the workers, one per worker")
     p.add_argument("--lease-ttl", type=float, default=60.0, metavar="S",
                    help="--workers: a worker silent for S seconds loses its pages to the others")
+    p.add_argument("--lease-pages", type=int, default=4, metavar="N", help="--workers: pages per lease")
     p.add_argument("--json-progress", action="store_true",
                    help="one JSON progress line every few seconds on stdout instead of the bar")
     p.add_argument("--progress-interval", type=float, default=5.0, metavar="S", help=argparse.SUPPRESS)
@@ -105,8 +106,8 @@ def parse_options_from_args(ns: argparse.Namespace, *, output: str | None):
                             render_workers=ns.render_workers, layout_batch=ns.layout_batch,
                             layout_threshold=ns.layout_threshold, block_max_pixels=ns.block_max_pixels,
                             planted_layouts=ns.planted_layouts, stub_vlm=stub,
-                            lease_ttl_s=getattr(ns, "lease_ttl", 60.0), engine=engine,
-                            extra={"engine_argv": engine_argv(ns)})
+                            lease_ttl_s=getattr(ns, "lease_ttl", 60.0), lease_pages=getattr(ns, "lease_pages", 4),
+                            engine=engine)
         opts.validate()
         if opts.layout_model is not None and opts.layout_load_format != "dummy":
             import os
@@ -115,15 +116,6 @@ def parse_options_from_args(ns: argparse.Namespace, *, output: str | None):
     except ValueError as e:
         raise CliError(str(e)) from None
     return opts
-
-
-def engine_argv(ns: argparse.Namespace) -> dict:
-    """The engine and plan flags as values (a worker process rebuilds its EngineConfig from them)."""
-    keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "limit_mm_per_prompt", "max_encoder_patches",
-            "encoder_cache_size", "gpu_memory_utilization", "kv_cache_memory", "step_timeout", "async_scheduling",
-            "attention_backend", "text_attention_backend", "qkv_layout", "grid_thw", "fused_layers", "capabilities",
-            "graph_optimization_config")
-    return {k: getattr(ns, k) for k in keys if hasattr(ns, k)}
 
 
 def cmd_parse(args) -> int:
@@ -150,12 +142,12 @@ def cmd_parse(args) -> int:
             p.close()
         parser.close()
     st = parser.workspace_status
-    log.info("parse: %d pages done, %d failed, %d pending after %.1f s -> %s", st.done, st.failed, st.pending,
-             time.perf_counter() - t0, args.output)
-    if st.failed or st.pending:
-        log.warning("parse: %d pages not done (see %s/errors.jsonl; `fastdeploy-ext parse-status %s`; rerun with "
-                    "--retry-failed to redo failed ones): exit status %d", st.failed + st.pending, args.output,
-                    args.output, EXIT_PAGES_FAILED)
+    log.info("parse: %d pages done, %d failed, %d pending, %d inputs unreadable after %.1f s -> %s", st.done,
+             st.failed, st.pending, st.input_errors, time.perf_counter() - t0, args.output)
+    if st.failed or st.pending or st.input_errors:
+        log.warning("parse: %d pages not done, %d inputs unreadable (see %s/errors.jsonl; `fastdeploy-ext "
+                    "parse-status %s`; rerun with --retry-failed to redo failed pages): exit status %d",
+                    st.failed + st.pending, st.input_errors, args.output, args.output, EXIT_PAGES_FAILED)
         return EXIT_PAGES_FAILED
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .pipeline import PipelineOptions
@@ -45,7 +45,6 @@ class ParseOptions:
     lease_ttl_s: float = 60.0                # --workers: a silent worker's pages go back after this
     lease_pages: int = 4                     # --workers: pages per lease
     engine: object | None = None             # engine.config.EngineConfig (engine and plan flags)
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         bad = set(self.formats) - FORMATS

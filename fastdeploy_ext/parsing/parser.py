@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 from . import coordinator
@@ -51,13 +52,16 @@ class DocumentParser:
             self._models = (renderer, layout, coordinator.build_engine(self.options))
         return self._models
 
-    def parse(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *,
+    def parse(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *, output: str | os.PathLike | None = None,
               on_start: Callable[[int], None] | None = None) -> Iterator[PageOutcome]:
-        """Pages as they complete (not in input order). With ``output`` set: through the
-        workspace (done pages of an earlier run are skipped; ``workspace_status`` after the run
-        says where it stands). ``on_start(pages)`` is called once the pages to do are known."""
+        """Pages as they complete (not in input order). With a workspace (``output`` here or in
+        the options): through it, exactly once (done pages of an earlier run are skipped;
+        ``workspace_status`` after the run says where it stands). ``on_start(pages)`` is called
+        once the pages to do are known."""
         inputs = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
         opts = self.options
+        if output is not None:
+            opts = replace(opts, output=os.fspath(output))
         start = on_start or (lambda n: None)
         if opts.workers > 1:
             from .workers import run_workers

@@ -155,12 +155,13 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
     workers: list[_Worker] = []
     payload = replace(opts, workers=1, gpus=None)
     level = logging.getLogger().getEffectiveLevel()
+    cap = max(1, -(-opts.max_pages_in_flight // opts.lease_pages))      # leases a worker may hold
     try:
         for i in range(opts.workers):
             parent, child = ctx.Pipe()
             device = opts.gpus[i] if opts.gpus else None
-            proc = ctx.Process(target=worker_main, args=(i, payload, child, device, level), name=f"fdx-parse-worker-{i}",
-                               daemon=True)
+            # not daemonic: a worker has its own render processes (the finally below ends it)
+            proc = ctx.Process(target=worker_main, args=(i, payload, child, device, level), name=f"fdx-parse-worker-{i}")
             proc.start()
             child.close()
             workers.append(_Worker(i, proc, parent))
@@ -226,9 +227,16 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
                         yield outcome
                 elif kind == "bye":
                     w.done = True
-            # hand out work to every worker waiting for it (pages of expired leases first)
+            # hand out work to every worker waiting for it (pages of expired leases first), once
+            # every worker is up (the first one ready would otherwise take everything), and at
+            # most `cap` leases per worker at once (its pages in flight, no hoarding)
+            if not all(w.ready or w.done for w in workers):
+                continue
+            held = {}
+            for lease in table.active:
+                held[lease.worker] = held.get(lease.worker, 0) + 1
             for w in workers:
-                if w.waiting and not w.done and stopping_since is None:
+                if w.waiting and not w.done and stopping_since is None and held.get(w.name, 0) < cap:
                     lease = ws.grant(w.name, opts.lease_pages, opts.lease_ttl_s, retry_failed=opts.retry_failed)
                     if lease is not None:
                         _send(w, ("lease", lease, lease_works(ws, lease)))
