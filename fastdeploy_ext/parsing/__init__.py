@@ -1,0 +1,1 @@
+"""Document parsing: PDFs and page images -> Markdown and PaddleX-shaped JSON."""
