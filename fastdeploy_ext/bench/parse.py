@@ -55,7 +55,7 @@ class BenchParseOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench parse")
-    g.add_argument("--pages", type=int, default=None,
+    g.add_argument("--pages", type=int, default=None, dest="bench_pages",
                    help="synthetic pages (default 64; 8 on the CPU); with --pdf: at most this many of its pages")
     g.add_argument("--pdf", default=None, metavar="DIR", help="real PDFs from DIR instead of synthetic pages")
     g.add_argument("--seed", type=int, default=0)
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(ns: argparse.Namespace) -> BenchParseOptions:
     on_cpu = ns.device in ("cpu", "cpu_amx")
-    pages = ns.pages if ns.pages is not None else (8 if on_cpu else 64)
+    pages = ns.bench_pages if ns.bench_pages is not None else (8 if on_cpu else 64)
     if pages < 1:
         raise BenchError(f"--pages must be >= 1, got {pages}")
     if ns.pdf is not None and not Path(ns.pdf).is_dir():

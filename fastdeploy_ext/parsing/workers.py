@@ -125,6 +125,10 @@ def worker_main(index: int, opts, conn, device: int | None, log_level: int) -> N
         link.send(("bye",))
     finally:
         renderer.close()
+    # everything this process owns is sent or closed: skip the interpreter's slow teardown of
+    # the models (the coordinator waits for the exit)
+    logging.shutdown()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------ the coordinator
