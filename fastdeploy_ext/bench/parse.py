@@ -187,10 +187,9 @@ class GroupBarrierRun:
         self.pipe, self.group, self.gather_s = pipe, group, gather_s
 
     def run(self, jobs: list) -> list:
-        from ..parsing.pipeline import EngineDriver, StubEngineDriver, _Page
+        from ..parsing.pipeline import _Page
         p = self.pipe
-        p.driver = (StubEngineDriver(p.times) if p.opts.stub_vlm or p.engine is None
-                    else EngineDriver(p.engine, p.times))
+        p.driver = p.driver_factory(p.times)
         groups: queue.Queue = queue.Queue(maxsize=1)        # the producer runs one group ahead
         outcomes: list = []
 

@@ -290,7 +290,8 @@ class Pipeline:
 
     def __init__(self, renderer, layout: LayoutModel, engine, opts: PipelineOptions, *,
                  post_config=None, task_options=None, planted: PlantedLayouts | None = None,
-                 sink: PageSink | None = None, image_prefix: Callable[[PageJob], str] | None = None):
+                 sink: PageSink | None = None, image_prefix: Callable[[PageJob], str] | None = None,
+                 driver_factory: Callable[[StageTimes], object] | None = None):
         from .blocks import ParseTaskOptions
         from .layout_post import LayoutPostConfig
         opts.validate()
@@ -300,7 +301,14 @@ class Pipeline:
         self.planted = planted
         self.sink = sink or NullSink()
         self.image_prefix = image_prefix or default_image_prefix
+        self.driver_factory = driver_factory or self._default_driver
         self.times = StageTimes()
+
+    def _default_driver(self, times: StageTimes):
+        """The engine's step loop (EngineDriver), or the stub without an engine."""
+        if self.opts.stub_vlm or self.engine is None:
+            return StubEngineDriver(times)
+        return EngineDriver(self.engine, times)
 
     # ---------------------------------------------------------------- the run
     def run(self, jobs: Iterable[PageJob]) -> Iterable[PageOutcome]:
@@ -312,8 +320,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._open = 0
         self._input_closed = False
-        self.driver = (StubEngineDriver(self.times) if opts.stub_vlm or self.engine is None
-                       else EngineDriver(self.engine, self.times))
+        self.driver = self.driver_factory(self.times)
         self.abort = threading.Event()
         threads = [threading.Thread(target=self._guard(self._layout_loop), name="fdx-parse-layout", daemon=True),
                    threading.Thread(target=self._guard(self._writer_loop), name="fdx-parse-writer", daemon=True),

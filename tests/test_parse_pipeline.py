@@ -1,0 +1,257 @@
+"""parsing/pipeline.py on fakes (no models, no processes): pages complete out of order with no
+page-group barrier, at most --max-pages-in-flight pages are open, every stage's failure is its
+page's error record and the run goes on, planted layouts replace the model's boxes while the
+model still runs, a stage thread's bug ends the run with its exception (no hang), and the
+engine driver's step loop runs requests submitted while others are in flight."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from fastdeploy_ext.parsing.errors import PageError
+from fastdeploy_ext.parsing.pipeline import PageJob, Pipeline, PipelineOptions, StubEngineDriver
+from fastdeploy_ext.parsing.render import RenderedPage
+from fastdeploy_ext.parsing.workspace import PageWork
+
+
+class FakeRenderer:
+    """Renders at once (a grey page); ``fail`` pages raise PageError('render')."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.submitted = 0
+
+    def submit(self, task) -> Future:
+        self.submitted += 1
+        f: Future = Future()
+        if task.page_index in self.fail:
+            f.set_exception(PageError("render", f"page {task.page_index + 1}: broken"))
+        else:
+            img = np.full((200, 160, 3), 200, np.uint8)
+            f.set_result(RenderedPage(task.path, task.page_index, 8, img, 160, 200))
+        return f
+
+
+class FakeLayout:
+    """Two blocks per page (a text and a table); ``boom``: the call raises."""
+
+    def __init__(self, boom=False):
+        self.calls, self.pages, self.boom = 0, 0, boom
+
+    def detect(self, images, threshold):
+        self.calls += 1
+        self.pages += len(images)
+        if self.boom:
+            raise RuntimeError("layout model crashed")
+        return [[{"label": "text", "score": 0.9, "bbox": [10, 10, 150, 60]},
+                 {"label": "table", "score": 0.9, "bbox": [10, 80, 150, 190]}] for _ in images]
+
+
+class HeldDriver:
+    """Holds every request's callback until the test releases it: the test decides the order in
+    which blocks finish."""
+
+    def __init__(self, times):
+        self.times = times
+        self.held: list = []
+        self.cv = threading.Condition()
+        self.error = None
+
+    def submit(self, prompt, params, priority, on_done):
+        with self.cv:
+            self.held.append((prompt, priority, on_done))
+            self.cv.notify_all()
+
+    def wait_for(self, n):
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.held) >= n, timeout=30), len(self.held)
+
+    def close(self):
+        pass
+
+    def join(self):
+        pass
+
+
+class Out:
+    def __init__(self, text):
+        self.text, self.num_output_tokens, self.finish_reason = text, 2, "stop"
+
+
+class RecordingSink:
+    def __init__(self, commit_error=None):
+        self.commits, self.fails = [], []
+        self.commit_error = commit_error
+
+    def commit(self, job, result):
+        if self.commit_error is not None and job.work.page_index == 0:
+            raise self.commit_error
+        self.commits.append(job.work.page_index)
+        return True
+
+    def fail(self, job, stage, message):
+        self.fails.append((job.work.page_index, stage, message))
+
+
+def jobs(n):
+    return [PageJob(PageWork(f"k:{i}", "doc.pdf", i, n, stem="doc")) for i in range(n)]
+
+
+def pipeline(renderer=None, layout=None, driver=None, sink=None, planted=None, **opts):
+    return Pipeline(renderer or FakeRenderer(), layout or FakeLayout(), None,
+                    PipelineOptions(**{"max_pages_in_flight": 4, **opts}), sink=sink, planted=planted,
+                    driver_factory=(lambda t: driver) if driver is not None else StubEngineDriver)
+
+
+def test_pages_complete_out_of_order_without_a_group_barrier():
+    drv = HeldDriver(None)
+    pipe = pipeline(driver=drv)
+    outs = []
+    it = pipe.run(jobs(2))
+    t = threading.Thread(target=lambda: outs.extend(it))
+    t.start()
+    drv.wait_for(4)                       # both pages' blocks are in flight at once
+    held = list(drv.held)
+    # the table is sent with a lower priority value (earlier) than the paragraph
+    prio = {p["prompt"]: pr for p, pr, _ in held}
+    assert prio["Table Recognition:"] < prio["OCR:"]
+    # page 1's blocks finish while page 0's are still running: page 1 completes first
+    for _, _, cb in held[2:]:
+        cb(Out("p1"), None)
+    held[0][2](Out("p0"), None)
+    held[1][2](Out("p0"), None)
+    t.join(timeout=30)
+    assert [o.job.work.page_index for o in outs] == [1, 0] and all(o.error is None for o in outs)
+    texts = [b["block_content"] for b in outs[0].result.record["parsing_res_list"]]
+    assert texts[0] == "p1"
+
+
+def test_no_more_pages_open_than_max_pages_in_flight():
+    drv = HeldDriver(None)
+    renderer = FakeRenderer()
+    pipe = pipeline(renderer=renderer, driver=drv, max_pages_in_flight=3)
+    outs = []
+    it = pipe.run(jobs(8))
+    t = threading.Thread(target=lambda: outs.extend(it))
+    t.start()
+    drv.wait_for(6)                       # three pages, two blocks each
+    assert renderer.submitted == 3        # the fourth page waits for a free slot
+    for _, _, cb in list(drv.held[:2]):
+        cb(Out("x"), None)
+    drv.wait_for(8)                       # one page done: exactly one more rendered
+    assert renderer.submitted == 4
+    released = 2
+    while released < 16:                  # the rest, in submission order, as they come
+        drv.wait_for(released + 1)
+        with drv.cv:
+            cb = drv.held[released][2]
+        cb(Out("x"), None)
+        released += 1
+        assert renderer.submitted - len(outs) <= 3 + 1     # +1: a yielded page not yet counted here
+    t.join(timeout=30)
+    assert len(outs) == 8 and renderer.submitted == 8
+
+
+@pytest.mark.parametrize("where", ["render", "layout", "vlm", "assemble", "write"])
+def test_a_failing_stage_fails_its_page_only(where, monkeypatch):
+    sink = RecordingSink(commit_error=OSError("disk full") if where == "write" else None)
+    kw = {}
+    if where == "render":
+        kw["renderer"] = FakeRenderer(fail={0})
+    if where == "layout":
+        kw["layout"] = FakeLayout(boom=True)
+    driver = None
+    if where == "vlm":
+        class FailFirst(StubEngineDriver):
+            n = 0
+
+            def submit(self, prompt, params, priority, on_done):
+                FailFirst.n += 1
+                if FailFirst.n == 1:
+                    on_done(None, "refused: image too small")
+                else:
+                    super().submit(prompt, params, priority, on_done)
+        driver = FailFirst(None)
+    if where == "assemble":
+        import fastdeploy_ext.parsing.assemble as asm
+        real = asm.assemble_page
+
+        def flaky(meta, *a, **k):
+            if meta.page_index == 0:
+                raise ValueError("bad block")
+            return real(meta, *a, **k)
+        monkeypatch.setattr(asm, "assemble_page", flaky)
+    outs = list(pipeline(driver=driver, sink=sink, layout_batch=1, max_pages_in_flight=1, **kw).run(jobs(3)))
+    failed = [o for o in outs if o.error is not None]
+    if where == "layout":                 # the model failed for every page: each is its own record
+        assert {f[1] for f in sink.fails} == {"layout"} and len(sink.fails) == 3
+        return
+    assert len(outs) == 3 and len(failed) == 1, [o.error for o in outs]
+    assert failed[0].error.stage == where
+    assert [f[1] for f in sink.fails] == [where]
+    assert sorted(sink.commits) == ([1, 2] if where != "vlm" else sorted(o.job.work.page_index for o in outs
+                                                                         if o.error is None))
+
+
+def test_planted_layouts_replace_the_models_boxes_and_the_model_still_runs():
+    class Planted:
+        def detections(self, path, page_index, width, height):
+            return [{"label": "doc_title", "score": 0.95, "bbox": [0, 0, width, 30]}]
+    layout = FakeLayout()
+    outs = list(pipeline(layout=layout, planted=Planted()).run(jobs(3)))
+    assert layout.pages == 3                       # the model ran on every page, for its cost
+    for o in outs:
+        labels = [b["block_label"] for b in o.result.record["parsing_res_list"]]
+        assert labels == ["doc_title"]
+
+
+def test_a_stage_threads_bug_ends_the_run_with_its_exception():
+    class BrokenSink(RecordingSink):
+        def fail(self, job, stage, message):
+            raise KeyError("sink bug")             # not a page's failure: the writer itself is broken
+    with pytest.raises(KeyError, match="sink bug"):
+        list(pipeline(renderer=FakeRenderer(fail={0}), sink=BrokenSink()).run(jobs(2)))
+
+
+def test_the_engine_driver_runs_requests_submitted_while_others_run():
+    """EngineDriver on the real LLMEngine with the fake runner: a request submitted while
+    another decodes finishes too; each callback once, with its tokens."""
+    from fastdeploy_ext.engine.sampling_params import SamplingParams
+    from fastdeploy_ext.parsing.pipeline import EngineDriver, StageTimes
+
+    from .test_engine_scheduler import make_engine, prompts
+    eng = make_engine()
+    times = StageTimes()
+    drv = EngineDriver(eng, times)
+    got, lock = [], threading.Lock()
+    first_running, both = threading.Event(), threading.Event()
+
+    def cb(name):
+        def done(out, err):
+            with lock:
+                got.append((name, err, out.num_output_tokens if out else None))
+                if len(got) == 2:
+                    both.set()
+        return done
+    a, b = prompts(2)
+    drv.submit(a, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), 0, cb("first"))
+    while eng.stats().num_decode_steps < 3:
+        first_running.wait(0.01)          # the test waits for the first request to be decoding
+    drv.submit(b, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), 0, cb("second"))
+    assert both.wait(60)
+    drv.close()
+    drv.join()
+    assert sorted(got) == [("first", None, 60), ("second", None, 5)]
+    assert times.prefill_s > 0 and times.decode_s > 0
+    # a refused request (preprocessing raised) is reported to its callback, never queued
+    drv2 = EngineDriver(eng, StageTimes())
+    refused = []
+    ev = threading.Event()
+    drv2.submit({"prompt": 3}, SamplingParams(max_tokens=2), 0, lambda out, err: (refused.append(err), ev.set()))
+    assert ev.wait(30) and refused[0].startswith("refused:")
+    drv2.close()
+    drv2.join()
+    eng.shutdown()
