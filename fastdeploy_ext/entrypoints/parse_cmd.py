@@ -122,6 +122,7 @@ def cmd_parse(args) -> int:
     from ..parsing.errors import PageError
     from ..parsing.parser import DocumentParser
     from ..parsing.progress import Progress
+    from ..parsing.workspace import WorkspaceLocked
     opts = parse_options_from_args(args, output=args.output)
     t0 = time.perf_counter()
     parser = DocumentParser(opts)
@@ -134,6 +135,8 @@ def cmd_parse(args) -> int:
         for outcome in parser.parse(args.inputs, on_start=start):
             progress[0].update(outcome)
     except PageError as e:
+        raise CliError(str(e)) from None
+    except WorkspaceLocked as e:                      # another parse holds this --output
         raise CliError(str(e)) from None
     except (ValueError, FileNotFoundError) as e:      # bad inputs, a workspace of other options: nothing parsed
         raise CliError(str(e)) from None
