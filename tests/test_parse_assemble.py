@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from PIL import Image
 
 from fastdeploy_ext.parsing.assemble import (BlockResult, PageMeta, assemble_page, convert_math_delimiters,
@@ -173,3 +174,15 @@ def test_crop_block_checks_the_page_image():
     (task,) = plan_blocks([LayoutBlock("text", 0.9, (0.0, 0.0, 5.0, 5.0), 0)])
     with pytest.raises(ValueError, match=r"page image must be uint8 \[h, w, 3\], got float32 \[10, 10, 3\]"):
         crop_block(np.zeros((10, 10, 3), np.float32), task)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet="ab c.\n", max_size=120), st.text(alphabet="xyz ", min_size=1, max_size=12),
+       st.integers(0, 40))
+def test_repetitive_tail_keeps_a_prefix_and_one_copy_of_a_loop(head, unit, times):
+    text = head + unit * times
+    out = truncate_repetitive_tail(text)
+    assert text.startswith(out)
+    if times * len(unit) >= 60 + 2 * len(unit) and len(unit) <= 12:
+        # a long loop is cut: what is left of the tail is shorter than two copies of it
+        assert len(out) < len(head) + 2 * len(unit) + len(unit)

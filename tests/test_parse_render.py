@@ -180,6 +180,7 @@ def test_multi_page_tiff(renderer, tmp_path):
 def faulty_render(task: RenderTask):
     name = Path(task.path).name
     if name.startswith("hang"):
+        Path(task.path + ".started").touch()   # a test may wait for the worker to be in the page
         time.sleep(3600)
     if name.startswith("crash"):
         os._exit(3)                         # what a PDFium segfault looks like to the pool
@@ -313,3 +314,58 @@ def test_synthetic_mix_of_other_kinds_is_drawn_in_its_boxes(tmp_path):
     assert mix.blocks_per_page == 4
     assert [planted_tokens(x) for x in ("doc_title", "text", "table", "display_formula", "figure_title", "image")] == \
         [16, 120, 600, 60, 40, 120]
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from pathlib import Path
+from fastdeploy_ext.parsing.render import PageRenderer, RenderTask
+from tests.test_parse_render import faulty_render
+r = PageRenderer(workers=1, render_fn=faulty_render)
+fut = r.submit(RenderTask(sys.argv[1], 0, timeout_s=600))
+started = Path(sys.argv[1] + ".started")
+while not started.exists():
+    time.sleep(0.05)
+print(r._slots[0].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()         # a zombie is dead, waiting to be reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_a_killed_parent_takes_its_hung_worker_with_it(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    hang = tmp_path / "hang.png"
+    Image.new("RGB", (8, 8)).save(hang)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, str(hang)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())       # printed once the worker is in the hung page
+        assert _alive(worker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_synthetic_pages_drawn_in_processes_give_the_same_bytes():
+    one = synthetic_document(3, seed=8)
+    two = synthetic_document(3, seed=8, processes=2)
+    assert one.pdf == two.pdf and one.pages == two.pages
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        synthetic_document(1, processes=0)

@@ -11,7 +11,8 @@ from fastdeploy_ext.parsing.sources import count_pages, expand_inputs, file_dige
 
 @pytest.fixture
 def tree(tmp_path):
-    for rel in ("a.pdf", "b.PNG", "notes.txt", "sub/c.jpg", "sub/deeper/d.tiff", "sub/e.webp", "z/f.bmp"):
+    for rel in ("a.pdf", "b.PNG", "notes.txt", "sub/c.jpg", "sub/deeper/d.tiff", "sub/e.webp", "z/f.bmp",
+                "._a.pdf", ".cache/g.png"):
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
@@ -23,6 +24,8 @@ def rel(paths, root):
 
 
 def test_folder_is_recursive_sorted_and_keeps_supported_suffixes(tree):
+    # hidden files and folders are left out; named explicitly they are taken
+    assert rel(expand_inputs([str(tree / "._a.pdf"), str(tree / ".cache")]), tree) == ["._a.pdf", ".cache/g.png"]
     assert rel(expand_inputs([str(tree)]), tree) == ["a.pdf", "b.PNG", "sub/c.jpg", "sub/deeper/d.tiff",
                                                     "sub/e.webp", "z/f.bmp"]
 

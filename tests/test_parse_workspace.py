@@ -301,6 +301,21 @@ def test_torn_manifest_tail_truncated_and_document_added_again(tmp_path):
     assert (tmp_path / journal.STATE_DIR / "manifest.log").read_bytes() == (ref / journal.STATE_DIR / "manifest.log").read_bytes()
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 16])
+def test_manifest_totals_read_backwards_in_any_chunk_size(tmp_path, chunk):
+    with open_ws(tmp_path) as ws:
+        add_docs(ws, n_docs=3, n_pages=2)
+        ws.add_input_error("/in/x.pdf", "input", "x" * 300)          # a line longer than the small chunks
+    manifest = str(tmp_path / journal.STATE_DIR / "manifest.log")
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals(6, 3, 1)
+    size = os.path.getsize(manifest)
+    os.truncate(manifest, size - 5)                                  # the long line torn
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals(6, 3, 0)
+    with open(manifest, "r+b") as f:                                 # only a torn first line left
+        f.truncate(40)
+    assert journal.manifest_totals(manifest, chunk) == journal.ManifestTotals()
+
+
 def test_damage_before_valid_manifest_records_is_refused(tmp_path):
     with open_ws(tmp_path) as ws:
         add_docs(ws, n_docs=3, n_pages=1)
@@ -410,6 +425,11 @@ def test_lease_table_returns_expired_pages_first_and_counts_attempts():
     assert not table.check(a) and table.check(b) and table.check_key(c, pages[4].key)
     assert not table.check_key(b, pages[0].key)
     assert table.grant("d", pages, 3, 5) is None
+    table.settle(b, pages[2].key)
+    clock.t += 100                                   # b and c expire; pages[2] was settled under b
+    assert {lease.lease_id for lease in table.expire()} == {b.lease_id, c.lease_id}
+    d = table.grant("d", pages, 5, 5)
+    assert sorted(d.keys) == sorted(p.key for p in pages if p is not pages[2])
     with pytest.raises(ValueError, match="max_pages >= 1"):
         table.grant("e", pages, 0, 5)
 
@@ -486,7 +506,25 @@ def test_jsonl_shards_one_line_per_page_in_the_keys_shard(tmp_path):
     for key, (i, rec) in seen.items():
         want = driver.fake_result(ws.work(key))
         assert i == shard_of(key, 3)
-        assert rec["markdown"] == want.markdown and "record" not in rec and rec["images"] == sorted(want.images)
+        assert rec == {"key": key, "input_path": want.meta.input_path, "page_index": want.meta.page_index,
+                       "page_count": want.meta.page_count, "markdown": want.markdown, "images": sorted(want.images)}
+
+
+def test_jsonl_shard_line_is_the_paddlex_record_with_key_markdown_and_images(tmp_path):
+    with open_ws(tmp_path, jsonl_shards=1) as ws:
+        add_docs(ws, n_docs=1, n_pages=1)
+        (key,) = commit_all(ws)
+        want = driver.fake_result(ws.work(key))
+        line = (tmp_path / "pages-00000-of-00001.jsonl").read_bytes()
+        assert list(json.loads(line)) == ["key", *want.record, "markdown", "images"]
+        assert json.loads(line) == {"key": key, **want.record, "markdown": want.markdown, "images": sorted(want.images)}
+    with open_ws(tmp_path / "clash", jsonl_shards=1) as ws:
+        add_docs(ws, n_docs=1, n_pages=1)
+        lease = ws.grant("w", 1, 60)
+        bad = driver.fake_result(ws.work(lease.keys[0]))
+        bad.record["markdown"] = "x"
+        with pytest.raises(ValueError, match=r"has fields \['markdown'\] that its shard line uses itself"):
+            ws.commit(lease, lease.keys[0], bad)
 
 
 def test_status_counts_from_files_match_the_workspace(tmp_path):

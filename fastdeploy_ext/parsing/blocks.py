@@ -88,7 +88,8 @@ def plan_blocks(blocks: list[LayoutBlock], opts: ParseTaskOptions | None = None)
     out = []
     for b in blocks:
         kind, prompt = task_for(b.label, opts)
-        out.append(BlockTask(b, kind, prompt, block_priority(b) if kind is BlockKind.VLM else TABLE_PRIORITY))
+        # images and skipped blocks are not requests: their priority is never used
+        out.append(BlockTask(b, kind, prompt, block_priority(b) if kind is BlockKind.VLM else 0))
     return out
 
 

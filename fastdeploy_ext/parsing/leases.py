@@ -55,11 +55,13 @@ class _Held:
 class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  settled: Callable[[str], bool] | None = None, lock: threading.RLock | None = None):
-        """``settled(key)``: the page needs no more work (done, or failed this run). The
-        Workspace passes its own state so a stale ``pending`` list never re-grants a done page."""
+        """``settled(key)``: the page needs no more work (done, or failed this run), so a stale
+        ``pending`` list never re-grants it. The Workspace passes its own page states; without
+        one the table remembers the keys settled through it."""
         self.clock = clock
         self._lock = lock or threading.RLock()
-        self._settled = settled or (lambda key: False)
+        self._settled_here: set[str] | None = None if settled else set()
+        self._settled = settled or self._settled_here.__contains__
         self._next_id = 1
         self._next_token = 1
         self._held: dict[int, _Held] = {}
@@ -134,6 +136,8 @@ class LeaseTable:
         del held.open[key]
         del self._owner[key]
         self._attempts.pop(key, None)
+        if self._settled_here is not None:
+            self._settled_here.add(key)
         if not held.open:
             del self._held[lease.lease_id]
 

@@ -14,6 +14,7 @@ import atexit
 import logging
 import math
 import multiprocessing as mp
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -206,7 +207,29 @@ def render_page(task: RenderTask) -> RenderedPage:
 RenderFn = Callable[[RenderTask], RenderedPage]
 
 
-def _worker_main(conn, render_fn: RenderFn) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this worker when the thread that started it goes (a coordinator
+    killed with SIGKILL must not leave a worker rendering a hung page); Ctrl-C is the parent's
+    to handle (it closes the pool), not a traceback in every worker."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:                     # the parent went before the call above
+        os._exit(1)
+
+
+def _worker_main(conn, render_fn: RenderFn, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     conn.send(("ready", None))
     while True:
         try:
@@ -244,7 +267,7 @@ class _Slot:
     def _start(self) -> None:
         ctx = self.renderer._ctx
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, self.renderer._render_fn),
+        self.proc = ctx.Process(target=_worker_main, args=(child, self.renderer._render_fn, os.getpid()),
                                 name=f"fdx-render-{self.index}", daemon=True)
         self.proc.start()
         child.close()

@@ -36,10 +36,12 @@ def _supported(p: Path) -> bool:
 
 def _folder_files(folder: Path) -> list[Path]:
     out = []
-    for root, _dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(folder):
+        # hidden entries are left out, as globs do (".git", macOS "._x.pdf" resource forks)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
             p = Path(root) / name
-            if _supported(p) and p.is_file():
+            if not name.startswith(".") and _supported(p) and p.is_file():
                 out.append(p)
     # sorted by path components: a deterministic order (the manifest's), a folder's files together
     return sorted(out, key=lambda p: p.relative_to(folder).parts)

@@ -259,29 +259,52 @@ def _deterministic(pdf: bytes, seed: int) -> bytes:
     return _DATE.sub(b"/CreationDate(D:20000101000000", pdf)
 
 
-def synthetic_document(page_count: int, seed: int = 0, *, mix: PlantedMix | None = None,
-                       spec: PageSpec | None = None, jpeg_quality: int = 85) -> SyntheticDocument:
-    """A PDF of ``page_count`` synthetic pages and their planted blocks."""
-    import pypdfium2 as pdfium
+def page_jpeg(seed: int, page_index: int, mix: PlantedMix | None = None, spec: PageSpec | None = None,
+              jpeg_quality: int = 85) -> tuple[list[LayoutBlock], bytes]:
+    """One synthetic page: its planted blocks and its pixels as JPEG bytes."""
     from PIL import Image
+
+    blocks = planted_layout(seed, page_index, mix, spec)
+    buf = io.BytesIO()
+    Image.fromarray(draw_page(blocks, seed, page_index, spec)).save(buf, format="JPEG", quality=jpeg_quality)
+    return blocks, buf.getvalue()
+
+
+def _page_jpeg_args(args: tuple) -> tuple[list[LayoutBlock], bytes]:
+    return page_jpeg(*args)
+
+
+def synthetic_document(page_count: int, seed: int = 0, *, mix: PlantedMix | None = None,
+                       spec: PageSpec | None = None, jpeg_quality: int = 85, processes: int = 1) -> SyntheticDocument:
+    """A PDF of ``page_count`` synthetic pages and their planted blocks. ``processes`` > 1 draws
+    the pages in that many worker processes (the bytes do not depend on it); the pages are
+    placed in the PDF here, in order, as they come back."""
+    import pypdfium2 as pdfium
 
     if page_count < 1:
         raise ValueError(f"page_count must be >= 1, got {page_count}")
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
     mix, spec = mix or PlantedMix(), spec or PageSpec()
     points = 72.0 / spec.dpi
+    w_pt, h_pt = spec.width * points, spec.height * points
+    jobs = [(seed, i, mix, spec, jpeg_quality) for i in range(page_count)]
+    pool = None
+    if processes > 1 and page_count > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        pool = ProcessPoolExecutor(min(processes, page_count), mp_context=mp.get_context("spawn"))
+        drawn = pool.map(_page_jpeg_args, jobs, chunksize=4)       # in order, a few pages ahead
+    else:
+        drawn = map(_page_jpeg_args, jobs)
     pdf = pdfium.PdfDocument.new()
     pages = []
     try:
-        for i in range(page_count):
-            blocks = planted_layout(seed, i, mix, spec)
+        for blocks, jpeg in drawn:
             pages.append(blocks)
-            buf = io.BytesIO()
-            Image.fromarray(draw_page(blocks, seed, i, spec)).save(buf, format="JPEG", quality=jpeg_quality)
-            buf.seek(0)
-            w_pt, h_pt = spec.width * points, spec.height * points
             page = pdf.new_page(w_pt, h_pt)
             obj = pdfium.PdfImage.new(pdf)
-            obj.load_jpeg(buf, inline=True)         # the JPEG is copied into the document now
+            obj.load_jpeg(io.BytesIO(jpeg), inline=True)        # the JPEG is copied into the document now
             obj.set_matrix(pdfium.PdfMatrix().scale(w_pt, h_pt))
             page.insert_obj(obj)
             page.gen_content()
@@ -290,4 +313,6 @@ def synthetic_document(page_count: int, seed: int = 0, *, mix: PlantedMix | None
         pdf.save(out)
     finally:
         pdf.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return SyntheticDocument(_deterministic(out.getvalue(), seed), pages, spec)

@@ -29,7 +29,7 @@ import numpy as np
 from .durable import AppendLog, fsync_dir, json_line, truncate, write_atomic
 from .journal import (
     CorruptWorkspace, DoneRecord, ManifestTotals, Outcome, WorkspacePaths, encode_done_record, encode_manifest_line,
-    iter_done_columns, read_manifest, valid_done_length,
+    iter_done_columns, ManifestReader, valid_done_length,
 )
 from .leases import Lease, LeaseTable, StaleLease, synchronized
 from .status import RATE_WINDOW_S, WorkspaceStatus, rate_of
@@ -79,7 +79,7 @@ class PageWork:
         return f"imgs/{self.stem}_{self.page_index + 1:04d}"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Doc:
     doc_id: int
     path: str
@@ -204,11 +204,12 @@ class Workspace:
 
     def _recover(self) -> None:
         """Replay the manifest and the done log, cutting torn tails and uncommitted output."""
-        bodies, totals, valid = read_manifest(self.paths.manifest)
+        manifest = ManifestReader(self.paths.manifest)
         errors_end = 0
-        for body in bodies:
+        for body in manifest:
             self._apply(body)
             errors_end = max(errors_end, body.get("errors_end", 0))
+        totals, valid = manifest.totals, manifest.valid_length
         if totals.pages != len(self._state):
             raise CorruptWorkspace(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._state)}")
         self._totals = totals
@@ -405,13 +406,7 @@ class Workspace:
         shard = start = end = 0
         if self.jsonl_shards:
             shard = shard_of(key, self.jsonl_shards)
-            line = {"key": key, "input_path": result.meta.input_path, "page_index": index,
-                    "page_count": result.meta.page_count}
-            if "md" in self.formats:
-                line["markdown"] = result.markdown
-            if "json" in self.formats:
-                line["record"] = result.record
-            line["images"] = sorted(result.images)
+            line = self._shard_line(key, result)
             start = self._shards[shard].length
             end = self._shards[shard].append(json_line(line))
         else:
@@ -426,6 +421,21 @@ class Workspace:
         doc.done += 1
         if self._doc_complete(doc):
             self._write_document_markdown(doc)
+
+    def _shard_line(self, key: str, result: PageResult) -> dict:
+        """A shard's line is the page's PaddleX record itself (DESIGN.md section 5: one such
+        record per page), led by its key, with the Markdown and the crop names after it."""
+        meta = result.meta
+        if "json" in self.formats:
+            record = result.record
+        else:
+            record = {"input_path": meta.input_path, "page_index": meta.page_index, "page_count": meta.page_count}
+        extra = {"markdown": result.markdown} if "md" in self.formats else {}
+        extra["images"] = sorted(result.images)
+        clash = sorted(({"key"} | set(extra)) & set(record))
+        if clash:
+            raise ValueError(f"page record of {key} has fields {clash} that its shard line uses itself")
+        return {"key": key, **record, **extra}
 
     @synchronized
     def fail(self, lease: Lease, key: str, stage: str, message: str) -> None:
