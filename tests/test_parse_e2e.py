@@ -316,3 +316,29 @@ def test_the_cli_contract_names_outputs_after_the_input_and_rejects_bad_flags(tm
         assert what in err and err.count("error:") == 1, err[-1000:]
     assert main(["parse", str(tmp_path / "missing.pdf"), "--output", str(tmp_path / "bad"), *base_args(layout_dir)]) == 2
     assert "missing.pdf" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ bench parse
+def test_bench_parse_runs_ours_and_the_paddlex_style_baseline_on_one_engine(parser):
+    from fastdeploy_ext.bench.parse import BenchParseOptions, run
+    report = run(parser.options, BenchParseOptions(pages=2, warmup_pages=0), models=parser._build())
+    assert report["pages"] == 2 and "planted" in report["source"]
+    for r in (report["ours"], report["baseline"]):
+        assert r["pages"] == 2 and r["failed"] == 0, r["errors"]
+        assert r["blocks_per_s"] > 0 and r["output_tokens_per_s"] > 0 and r["peak_rss_bytes"] > 0
+        assert r["gpu_busy_pct"] is None                       # no NVML on the CPU: not made up
+        st = r["stages_s"]
+        assert {"render_s", "layout_s", "prefill_s", "decode_s", "assemble_s", "idle_s"} <= set(st)
+        assert st["layout_s"] > 0 and st["prefill_s"] > 0 and st["decode_s"] > 0
+    assert report["ratio"] == pytest.approx(report["ours"]["pages_per_s"] / report["baseline"]["pages_per_s"])
+
+
+def test_bench_parse_command_with_the_stub_vlm_and_real_pdfs(layout_dir, capsys):
+    from fastdeploy_ext.entrypoints.cli import main
+    assert main(["bench", "parse", "--pdf", str(PDFS), "--pages", "2", "--stub-vlm", "--json", "--no-baseline",
+                 "--warmup-pages", "0", "--layout-model", str(layout_dir), "--device", "cpu", "--dtype", "float32",
+                 "--render-workers", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stub_vlm"] and report["baseline"] is None and report["pages"] == 2
+    assert "real PDFs" in report["source"] and "planted mix" in report["source"]   # it says where boxes come from
+    assert report["ours"]["pages"] == 2 and report["ours"]["blocks_per_s"] > 0

@@ -305,8 +305,9 @@ def run_baseline(pipe_factory, jobs: list, engine) -> dict:
 
 
 # ------------------------------------------------------------------ the command
-def run(opts, bench: BenchParseOptions) -> dict:
-    """``opts``: the parse options (models, device, engine); returns the report."""
+def run(opts, bench: BenchParseOptions, models: tuple | None = None) -> dict:
+    """``opts``: the parse options (models, device, engine); ``models``: (renderer, layout,
+    engine) already built (tests), else built here. Returns the report."""
     from ..parsing.coordinator import build_engine, build_layout, build_pipeline, local_jobs
     from ..parsing.render import PageRenderer
     with tempfile.TemporaryDirectory(prefix="fdx-bench-parse-") as tmp:
@@ -326,10 +327,10 @@ def run(opts, bench: BenchParseOptions) -> dict:
         if not jobs:
             raise BenchError("no pages to run")
         t0 = time.perf_counter()
-        renderer = PageRenderer(workers=opts.render_workers)
+        renderer = PageRenderer(workers=opts.render_workers) if models is None else models[0]
         try:
-            layout, engine = build_layout(opts), build_engine(opts)
-            log.info("bench parse: models loaded in %.1f s", time.perf_counter() - t0)
+            layout, engine = (build_layout(opts), build_engine(opts)) if models is None else models[1:]
+            log.info("bench parse: models ready in %.1f s", time.perf_counter() - t0)
 
             def factory():
                 return build_pipeline(opts, renderer=renderer, layout=layout, engine=engine)
@@ -338,7 +339,8 @@ def run(opts, bench: BenchParseOptions) -> dict:
             ours = run_ours(factory, jobs, engine)
             base = run_baseline(factory, jobs, engine) if bench.baseline else None
         finally:
-            renderer.close()
+            if models is None:
+                renderer.close()
     report = {"source": source, "pages": len(jobs), "stub_vlm": opts.stub_vlm, "ours": ours, "baseline": base,
               "ratio": (ours["pages_per_s"] / base["pages_per_s"]) if base and base["pages_per_s"] else None}
     return report

@@ -64,6 +64,8 @@ class DocumentParser:
             opts = replace(opts, output=os.fspath(output))
         start = on_start or (lambda n: None)
         if opts.workers > 1:
+            if opts.output is None:
+                raise ValueError("workers > 1 needs a workspace (output=DIR): the workers share its manifest")
             from .workers import run_workers
             yield from run_workers(opts, inputs, self, start)
             return
