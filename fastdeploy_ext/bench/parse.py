@@ -233,7 +233,8 @@ class GroupBarrierRun:
             return out
         t0 = time.perf_counter()
         found = p.layout.detect([pg.rendered.image for pg in pages], p.opts.layout_threshold)
-        p.times.layout_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        p.times.layout_s += t1 - t0
         for pg, dets in zip(pages, found):
             r, w = pg.rendered, pg.job.work
             if p.planted is not None:
@@ -249,6 +250,7 @@ class GroupBarrierRun:
                         pg.crops[task.block.order] = crop_block(r.image, task)
                     pg.results[i] = BlockResult(task, "")
             pg.rendered = None
+        p.times.post_s += time.perf_counter() - t1
         return out
 
     def _run_group(self, planned: list) -> None:

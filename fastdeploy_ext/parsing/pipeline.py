@@ -264,7 +264,7 @@ class StubEngineDriver:
 @dataclass
 class _StubOutput:
     text: str
-    num_output_tokens: int = 1
+    num_output_tokens: int = 0           # nothing was generated
     finish_reason: str = "stop"
 
 
