@@ -255,3 +255,32 @@ def test_the_engine_driver_runs_requests_submitted_while_others_run():
     drv2.close()
     drv2.join()
     eng.shutdown()
+
+
+def test_progress_json_lines_and_the_bar():
+    import io
+    import json
+    import time
+
+    from fastdeploy_ext.parsing.pipeline import PageOutcome
+    from fastdeploy_ext.parsing.progress import Progress
+    stream = io.StringIO()
+    prog = Progress(3, json_lines=True, interval_s=0.05, gpu_reader=lambda: 50.0, stream=stream)
+    ok = PageOutcome(jobs(1)[0], blocks=4, output_tokens=10)
+    prog.update(ok)
+    prog.update(ok)
+    prog.update(PageOutcome(jobs(1)[0], error=PageError("render", "broken")))
+    deadline = time.monotonic() + 30
+    while '"progress"' not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)                   # the reporter's own period
+    prog.close()
+    lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert lines[0]["event"] == "progress" and lines[-1]["event"] == "done"
+    last = lines[-1]
+    assert (last["done"], last["failed"], last["total"], last["eta_s"], last["gpu_busy_pct"]) == (2, 1, 3, 0.0, 50.0)
+    assert last["blocks_per_s"] > 0 and last["output_tokens_per_s"] > 0
+    # no reader (the CPU): null, never a made-up figure; the bar draws when asked
+    bar = Progress(1, bar=True, gpu_reader=None)
+    bar.update(ok)
+    assert bar.snapshot()["gpu_busy_pct"] is None
+    bar.close()
