@@ -289,7 +289,7 @@ def add_bench_parse_subcommand(bsub) -> None:
 def cmd_bench_parse(args) -> int:
     from ..bench import parse as parse_bench
     from .parse_cmd import parse_options_from_args
-    opts = parse_options_from_args(args, output=None)
+    opts = parse_options_from_args(args, output=None, default_dummy=True)
     try:
         return parse_bench.run_cli(opts, parse_bench.options_from_args(args))
     except (PlanError, RuntimeError, ValueError) as e:
