@@ -155,7 +155,7 @@ def test_no_more_pages_open_than_max_pages_in_flight():
     assert len(outs) == 8 and renderer.submitted == 8
 
 
-@pytest.mark.parametrize("where", ["render", "layout", "vlm", "assemble", "write"])
+@pytest.mark.parametrize("where", ["render", "layout", "vlm", "submit", "assemble", "write"])
 def test_a_failing_stage_fails_its_page_only(where, monkeypatch):
     sink = RecordingSink(commit_error=OSError("disk full") if where == "write" else None)
     kw = {}
@@ -175,6 +175,16 @@ def test_a_failing_stage_fails_its_page_only(where, monkeypatch):
                 else:
                     super().submit(prompt, params, priority, on_done)
         driver = FailFirst(None)
+    if where == "submit":                 # the engine refuses synchronously (e.g. shutting down)
+        class RaiseSecond(StubEngineDriver):
+            n = 0
+
+            def submit(self, prompt, params, priority, on_done):
+                RaiseSecond.n += 1
+                if RaiseSecond.n == 2:
+                    raise RuntimeError("engine closed")
+                super().submit(prompt, params, priority, on_done)
+        driver = RaiseSecond(None)
     if where == "assemble":
         import fastdeploy_ext.parsing.assemble as asm
         real = asm.assemble_page
@@ -190,10 +200,21 @@ def test_a_failing_stage_fails_its_page_only(where, monkeypatch):
         assert {f[1] for f in sink.fails} == {"layout"} and len(sink.fails) == 3
         return
     assert len(outs) == 3 and len(failed) == 1, [o.error for o in outs]
-    assert failed[0].error.stage == where
-    assert [f[1] for f in sink.fails] == [where]
-    assert sorted(sink.commits) == ([1, 2] if where != "vlm" else sorted(o.job.work.page_index for o in outs
-                                                                         if o.error is None))
+    stage = "vlm" if where == "submit" else where
+    assert failed[0].error.stage == stage
+    assert [f[1] for f in sink.fails] == [stage]          # recorded once, though its other block ran
+    assert sorted(sink.commits) == sorted(o.job.work.page_index for o in outs if o.error is None)
+    assert len(sink.commits) == 2
+
+
+def test_a_layout_model_that_loses_a_page_fails_the_batch_instead_of_hanging():
+    class Short(FakeLayout):
+        def detect(self, images, threshold):
+            return super().detect(images, threshold)[:-1]
+    sink = RecordingSink()
+    outs = list(pipeline(layout=Short(), sink=sink, layout_batch=2, max_pages_in_flight=2).run(jobs(2)))
+    assert len(outs) == 2 and all(o.error is not None and o.error.stage == "layout" for o in outs)
+    assert all("results for" in str(o.error) for o in outs) and len(sink.fails) == 2
 
 
 def test_planted_layouts_replace_the_models_boxes_and_the_model_still_runs():

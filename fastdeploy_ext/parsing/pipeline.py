@@ -419,6 +419,11 @@ class Pipeline:
         finally:
             self.times.layout_s += time.perf_counter() - t0
             self.times.layout_calls += 1
+        if len(found) != len(batch):          # a page without its result would never complete
+            for p in batch:
+                self._fail(p, PageError("layout", f"the layout model returned {len(found)} results for "
+                                                  f"{len(batch)} pages"))
+            return
         for page, dets in zip(batch, found):
             try:
                 self._plan_page(page, dets)
@@ -452,8 +457,12 @@ class Pipeline:
             self._writes.put(page)
             return
         for i, task, crop in vlm:
-            self.driver.submit(self._request(task, crop), self._params(), task.priority,
-                               lambda out, err, page=page, i=i, task=task: self._block_done(page, i, task, out, err))
+            def done(out, err, page=page, i=i, task=task):
+                self._block_done(page, i, task, out, err)
+            try:
+                self.driver.submit(self._request(task, crop), self._params(), task.priority, done)
+            except Exception as e:  # noqa: BLE001 - this block fails (its page with it); the blocks sent run on
+                done(None, f"not submitted: {type(e).__name__}: {e}")
 
     def _request(self, task, crop: np.ndarray) -> dict:
         from PIL import Image
