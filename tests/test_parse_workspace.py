@@ -578,6 +578,17 @@ def test_status_decodes_many_records_in_chunks(tmp_path, monkeypatch):
     assert got == [(w.outcome.decode(), w.ordinal, w.shard, w.start, w.end, w.time_ms) for w in want]
 
 
+def test_status_scale_script_builds_a_valid_workspace(tmp_path, capsys):
+    """ci/parse_status_scale.py at a small size: its column-built records are the workspace's own
+    (it checks a sample), status counts what it planted, and a coordinator resumes from it."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "ci"))
+    import parse_status_scale
+    assert parse_status_scale.main(["--pages", "3000", "--docs", "30", "--open", "--keep", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pages: 2,730 done, 120 failed, 150 pending of 3,000 (91.0 % done)" in out
+    assert "status 2,730 done" in out
+
+
 def _records(path):
     data = Path(path).read_bytes()
     return [data[i:i + journal.DONE_RECORD_SIZE] for i in range(0, len(data), journal.DONE_RECORD_SIZE)]

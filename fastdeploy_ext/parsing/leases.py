@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
-    from .workspace import PageWork
+    from .pages import PageWork
 
 
 def synchronized(method):

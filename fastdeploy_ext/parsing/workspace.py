@@ -18,9 +18,7 @@ import os
 import threading
 import time
 import zlib
-from array import array
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -32,6 +30,8 @@ from .journal import (
     iter_done_columns, ManifestReader, valid_done_length,
 )
 from .leases import Lease, LeaseTable, StaleLease, synchronized
+from .pages import DONE, FAILED_BEFORE, FAILED_NOW, PENDING, Doc, PageTable, PageWork, ranges_of
+from .pages import page_key  # noqa: F401  (part of this module's API: PageWork's key)
 from .status import RATE_WINDOW_S, WorkspaceStatus, rate_of
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 
 FORMATS = frozenset({"md", "json"})
 LAYOUT_VERSION = 1
-
-# page states (one byte per page, indexed by ordinal = position in the manifest)
-PENDING, DONE, FAILED_BEFORE, FAILED_NOW = 0, 1, 2, 3
-
 
 class WorkspaceLocked(RuntimeError):
     """Another coordinator holds the workspace."""
@@ -56,66 +52,9 @@ class PageAlreadyDone(RuntimeError):
     """A second commit of a finished page: refused, so no output is ever written twice."""
 
 
-def page_key(digest: str, page_index: int) -> str:
-    return f"{digest[:16]}:{page_index}"
-
-
 def shard_of(key: str, count: int) -> int:
     """A page's JSON Lines shard: a function of its key alone, so reruns pick the same one."""
     return zlib.crc32(key.encode()) % count
-
-
-@dataclass(frozen=True)
-class PageWork:
-    key: str
-    path: str
-    page_index: int
-    page_count: int
-    stem: str = ""           # the document's output stem (unique within the workspace)
-
-    @property
-    def image_prefix(self) -> str:
-        """Where this page's crops go (pass to assemble_page): unique per page."""
-        return f"imgs/{self.stem}_{self.page_index + 1:04d}"
-
-
-@dataclass(slots=True)
-class _Doc:
-    doc_id: int
-    path: str
-    digest: str
-    stem: str
-    page_count: int
-    # the manifest records that added pages: (first ordinal, page-index ranges); kept as ranges,
-    # not a dict per page, so a 10M-page manifest fits in memory
-    chunks: list[tuple[int, list[list[int]]]] = field(default_factory=list)
-    n_pages: int = 0
-    done: int = 0
-
-    def ordinal_of(self, page_index: int) -> int | None:
-        for first, ranges in self.chunks:
-            for a, b in ranges:
-                if a <= page_index <= b:
-                    return first + page_index - a
-                first += b - a + 1
-        return None
-
-    def page_indices(self) -> list[int]:
-        return sorted(i for _, ranges in self.chunks for i in _expand(ranges))
-
-
-def _ranges(indices: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in sorted(indices):
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return out
-
-
-def _expand(ranges: list[list[int]]) -> list[int]:
-    return [i for a, b in ranges for i in range(a, b + 1)]
 
 
 class Workspace:
@@ -150,13 +89,7 @@ class Workspace:
         self.leases = LeaseTable(clock=clock, settled=self._settled, lock=self._lock)
         self._lock_fd: int | None = None
         self._logs: list[AppendLog] = []
-        self._docs: list[_Doc] = []
-        self._by_digest: dict[str, _Doc] = {}          # digest[:16] -> doc (the key's prefix)
-        self._stems: set[str] = set()
-        self._error_paths: set[str] = set()
-        self._page_doc = array("q")                    # ordinal -> doc_id
-        self._page_index = array("q")                  # ordinal -> page index
-        self._state = bytearray()
+        self._pages = PageTable(paths.manifest)
         self._totals = ManifestTotals()
         self._cursor = {False: 0, True: 0}
         self._recent: deque[float] = deque()           # unix times of this session's commits
@@ -207,14 +140,14 @@ class Workspace:
         manifest = ManifestReader(self.paths.manifest)
         errors_end = 0
         for body in manifest:
-            self._apply(body)
+            self._pages.apply(body)
             errors_end = max(errors_end, body.get("errors_end", 0))
         totals, valid = manifest.totals, manifest.valid_length
-        if totals.pages != len(self._state):
-            raise CorruptWorkspace(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._state)}")
+        if totals.pages != len(self._pages.state):
+            raise CorruptWorkspace(f"{self.paths.manifest}: totals say {totals.pages} pages, records add up to {len(self._pages.state)}")
         self._totals = totals
         length = valid_done_length(self.paths.done_log)
-        state = np.zeros(len(self._state), dtype=np.uint8)
+        state = np.zeros(len(self._pages.state), dtype=np.uint8)
         shards = self.jsonl_shards or 0
         shard_end = np.zeros(max(shards, 1), dtype=np.int64)
         n_done = 0
@@ -235,9 +168,9 @@ class Workspace:
                 errors_end = max(errors_end, int(cols.end[~is_done].max()))
             if is_done.any():
                 self._last_commit = int(cols.time_ms[is_done].max()) / 1000.0
-        self._state = bytearray(state.tobytes())
-        per_doc = np.bincount(np.frombuffer(self._page_doc, dtype=np.int64)[state == DONE], minlength=len(self._docs))
-        for doc in self._docs:
+        self._pages.state = bytearray(state.tobytes())
+        per_doc = np.bincount(np.frombuffer(self._pages.page_doc, dtype=np.int64)[state == DONE], minlength=len(self._pages.docs))
+        for doc in self._pages.docs:
             doc.done = int(per_doc[doc.doc_id])
         self._manifest = self._open_log(self.paths.manifest, valid)
         self._done = self._open_log(self.paths.done_log, length)
@@ -245,7 +178,7 @@ class Workspace:
         self._shards = [self._open_log(self.paths.shard(i, shards), int(shard_end[i])) for i in range(shards)]
         fsync_dir(self.paths.state)
         fsync_dir(self.paths.root)
-        for doc in self._docs:         # a crash between a document's last page and its .md
+        for doc in self._pages.docs:         # a crash between a document's last page and its .md
             if self._doc_complete(doc) and not (self.root / f"{doc.stem}.md").exists():
                 self._write_document_markdown(doc)
 
@@ -259,39 +192,12 @@ class Workspace:
         return log
 
     # ------------------------------------------------------------------ the manifest
-    def _apply(self, body: dict) -> None:
-        """One manifest record into memory: the same code on replay and on a fresh add."""
-        if "doc" in body:
-            doc = _Doc(body["doc"], body["path"], body["digest"], body["stem"], body["page_count"])
-            self._docs.append(doc)
-            self._by_digest[doc.digest[:16]] = doc
-            self._stems.add(doc.stem)
-            self._add_pages(doc, body)
-        elif "pages_of" in body:
-            self._add_pages(self._docs[body["pages_of"]], body)
-        elif "path_of" in body:
-            self._docs[body["path_of"]].path = body["path"]
-        elif "input_error" in body:
-            self._error_paths.add(body["input_error"])
-        else:
-            raise CorruptWorkspace(f"{self.paths.manifest}: unknown record {body}")
-
-    def _add_pages(self, doc: _Doc, body: dict) -> None:
-        if body["first"] != len(self._state):
-            raise CorruptWorkspace(f"{self.paths.manifest}: pages of {doc.path} start at {body['first']}, expected {len(self._state)}")
-        indices = _expand(body["pages"])
-        doc.chunks.append((body["first"], body["pages"]))
-        doc.n_pages += len(indices)
-        self._page_doc.extend([doc.doc_id] * len(indices))
-        self._page_index.extend(indices)
-        self._state.extend(bytes(len(indices)))         # PENDING
-
     def _record(self, body: dict, pages: int = 0, documents: int = 0, input_errors: int = 0) -> None:
         t = self._totals
         totals = ManifestTotals(t.pages + pages, t.documents + documents, t.input_errors + input_errors)
         self._manifest.append(encode_manifest_line(totals, body))
         self._totals = totals
-        self._apply(body)
+        self._pages.apply(body)
 
     @synchronized
     def add_document(self, path: str, digest: str, page_indices: list[int], page_count: int) -> int:
@@ -304,12 +210,10 @@ class Workspace:
         bad = [i for i in page_indices if not 0 <= i < page_count]
         if bad or len(set(page_indices)) != len(page_indices):
             raise ValueError(f"{path}: page indices must be distinct and in 0..{page_count - 1}, got {sorted(page_indices)}")
-        doc = self._by_digest.get(digest[:16])
+        doc = self._pages.by_digest.get(digest[:16])
         if doc is None:
-            stem = Path(path).stem
-            stem = stem if stem not in self._stems else f"{stem}-{digest[:8]}"
-            body = {"doc": len(self._docs), "path": path, "digest": digest, "stem": stem,
-                    "page_count": page_count, "pages": _ranges(page_indices), "first": len(self._state)}
+            body = {"doc": len(self._pages.docs), "path": path, "digest": digest, "stem": self._pages.new_stem(path, digest),
+                    "page_count": page_count, "pages": ranges_of(page_indices), "first": len(self._pages.state)}
             self._record(body, pages=len(page_indices), documents=1)
             return len(page_indices)
         if doc.digest != digest:
@@ -320,39 +224,26 @@ class Workspace:
         if new:
             # the document's .md will cover more pages: drop the old one, it is rewritten when they finish
             (self.root / f"{doc.stem}.md").unlink(missing_ok=True)
-            self._record({"pages_of": doc.doc_id, "pages": _ranges(new), "first": len(self._state)}, pages=len(new))
+            self._record({"pages_of": doc.doc_id, "pages": ranges_of(new), "first": len(self._pages.state)}, pages=len(new))
         return len(new)
 
     @synchronized
     def add_input_error(self, path: str, stage: str, message: str) -> None:
         """An input file that yields no pages (unreadable, encrypted, ...): once per path."""
         path = str(path)
-        if path in self._error_paths:
+        if path in self._pages.error_paths:
             return
         end = self._append_error({"file": path, "page": None, "stage": stage, "message": message})
         self._record({"input_error": path, "stage": stage, "message": message, "errors_end": end}, input_errors=1)
 
     # ------------------------------------------------------------------ handing out work
-    def _work(self, ordinal: int) -> PageWork:
-        doc = self._docs[self._page_doc[ordinal]]
-        i = self._page_index[ordinal]
-        return PageWork(page_key(doc.digest, i), doc.path, i, doc.page_count, doc.stem)
-
     @synchronized
     def work(self, key: str) -> PageWork:
         """The page behind a lease key (KeyError for a key not in the manifest)."""
-        return self._work(self._ordinal(key))
-
-    def _ordinal(self, key: str) -> int:
-        doc = self._by_digest.get(key[:16])
-        prefix, _, index = key.partition(":")
-        ordinal = doc.ordinal_of(int(index)) if doc is not None and index.isdigit() and len(prefix) == 16 else None
-        if ordinal is None:
-            raise KeyError(f"page {key!r} is not in this workspace's manifest")
-        return ordinal
+        return self._pages.work(self._pages.ordinal(key))
 
     def _settled(self, key: str) -> bool:
-        return self._state[self._ordinal(key)] in (DONE, FAILED_NOW)
+        return self._pages.state[self._pages.ordinal(key)] in (DONE, FAILED_NOW)
 
     def _wanted(self, state: int, retry_failed: bool) -> bool:
         return state == PENDING or (retry_failed and state == FAILED_BEFORE)
@@ -361,14 +252,14 @@ class Workspace:
     def pending(self, retry_failed: bool = False) -> list[PageWork]:
         """Pages still to do, in manifest order: not done; failed ones (from earlier runs) only
         with retry_failed. O(pages): call it once, or use ``grant``."""
-        return [self._work(o) for o, s in enumerate(self._state) if self._wanted(s, retry_failed)]
+        return [self._pages.work(o) for o, s in enumerate(self._pages.state) if self._wanted(s, retry_failed)]
 
     def _scan(self, retry_failed: bool) -> Iterator[PageWork]:
-        while self._cursor[retry_failed] < len(self._state):
+        while self._cursor[retry_failed] < len(self._pages.state):
             o = self._cursor[retry_failed]
             self._cursor[retry_failed] = o + 1       # before the yield: a yielded page is consumed
-            if self._wanted(self._state[o], retry_failed):
-                yield self._work(o)
+            if self._wanted(self._pages.state[o], retry_failed):
+                yield self._pages.work(o)
 
     @synchronized
     def grant(self, worker: str, max_pages: int, ttl_s: float, retry_failed: bool = False) -> Lease | None:
@@ -379,7 +270,7 @@ class Workspace:
 
     # ------------------------------------------------------------------ committing
     def _check(self, lease: Lease, key: str) -> int:
-        ordinal = self._ordinal(key)
+        ordinal = self._pages.ordinal(key)
         if not self.leases.check_key(lease, key):
             raise StaleLease(f"lease {lease.lease_id} (token {lease.token}) of worker {lease.worker!r} no longer "
                              f"holds page {key}: it expired or was superseded, so its result is dropped")
@@ -388,7 +279,7 @@ class Workspace:
 
     def _refuse_if_done(self, ordinal: int, key: str) -> None:
         # unreachable while the fence holds (a settled page leaves its lease): a second line of defence
-        if self._state[ordinal] == DONE:
+        if self._pages.state[ordinal] == DONE:
             raise PageAlreadyDone(f"page {key} is already committed; refusing to write it twice")
 
     @synchronized
@@ -396,8 +287,8 @@ class Workspace:
         """Write a page's outputs durably, then its done record; StaleLease / PageAlreadyDone
         before anything is written."""
         ordinal = self._check(lease, key)
-        doc = self._docs[self._page_doc[ordinal]]
-        index = self._page_index[ordinal]
+        doc = self._pages.doc_of(ordinal)
+        index = self._pages.page_index[ordinal]
         if result.meta.page_index != index:
             raise ValueError(f"result for page index {result.meta.page_index} committed as {key} (index {index})")
         dirs = {str(self.root)}
@@ -442,15 +333,15 @@ class Workspace:
         """Record a page that could not be parsed: an errors.jsonl line, then its failed record.
         A rerun leaves it alone unless asked to retry failed pages."""
         ordinal = self._check(lease, key)
-        doc = self._docs[self._page_doc[ordinal]]
+        doc = self._pages.doc_of(ordinal)
         start = self._errors.length
-        end = self._append_error({"file": doc.path, "page": self._page_index[ordinal] + 1, "stage": stage,
+        end = self._append_error({"file": doc.path, "page": self._pages.page_index[ordinal] + 1, "stage": stage,
                                   "message": message})
         self._finish(lease, key, ordinal, DoneRecord(Outcome.FAILED, ordinal, 0, start, end, self._now_ms()))
 
     def _finish(self, lease: Lease, key: str, ordinal: int, record: DoneRecord) -> None:
         self._done.append(encode_done_record(record))
-        self._state[ordinal] = DONE if record.outcome == Outcome.DONE else FAILED_NOW
+        self._pages.state[ordinal] = DONE if record.outcome == Outcome.DONE else FAILED_NOW
         self.leases.settle(lease, key)
         if record.outcome == Outcome.DONE:
             now = record.time_ms / 1000.0
@@ -475,10 +366,10 @@ class Workspace:
         write_atomic(str(path), data)
         return str(path)
 
-    def _doc_complete(self, doc: _Doc) -> bool:
+    def _doc_complete(self, doc: Doc) -> bool:
         return (0 < doc.n_pages == doc.done and not self.jsonl_shards and "md" in self.formats)
 
-    def _write_document_markdown(self, doc: _Doc) -> None:
+    def _write_document_markdown(self, doc: Doc) -> None:
         from .assemble import document_markdown
         pages = [(self.root / f"{doc.stem}_{i + 1:04d}.md").read_text(encoding="utf-8") for i in doc.page_indices()]
         self._write_output(f"{doc.stem}.md", document_markdown(pages).encode())
@@ -487,12 +378,12 @@ class Workspace:
     # ------------------------------------------------------------------ status, closing
     @synchronized
     def status(self) -> WorkspaceStatus:
-        counts = np.bincount(np.frombuffer(bytes(self._state), dtype=np.uint8), minlength=4)
+        counts = np.bincount(np.frombuffer(bytes(self._pages.state), dtype=np.uint8), minlength=4)
         failed = int(counts[FAILED_BEFORE] + counts[FAILED_NOW])
         return WorkspaceStatus(
             done=int(counts[DONE]), failed=failed, pending=int(counts[PENDING]),
             pages_per_s=rate_of(np.array([t * 1000 for t in self._recent], dtype=np.int64)),
-            total=len(self._state), documents=self._totals.documents, input_errors=self._totals.input_errors,
+            total=len(self._pages.state), documents=self._totals.documents, input_errors=self._totals.input_errors,
             last_commit_at=self._last_commit)
 
     @synchronized
