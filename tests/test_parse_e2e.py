@@ -252,6 +252,19 @@ def test_sigkill_mid_run_then_rerun_gives_every_page_once_with_the_same_bytes(tm
 
 
 def test_two_workers_on_one_manifest_give_the_bytes_of_one(tmp_path, layout_dir, synthetic_pdf, reference_run):
+    pdf, layout = synthetic_pdf
+    out = tmp_path / "out"
+    r = cli(["parse", pdf, "--output", out, "--workers", "2", "--lease-pages", "1", "--max-pages-in-flight", "2",
+             *base_args(layout_dir, layout)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {"worker-0", "worker-1"} == set(re.findall(r"-> (worker-\d)", r.stderr))    # both got pages
+    assert "refused" not in r.stderr and "expired" not in r.stderr
+    assert outputs(out) == reference_run
+    assert status(out) == {"done": 4, "failed": 0, "pending": 0, "input_errors": 0}
+
+
+def test_a_stopped_workers_expired_lease_is_redone_and_its_late_commit_refused(tmp_path, layout_dir, synthetic_pdf,
+                                                                                reference_run):
     """--workers 2 with one page per lease; worker 0 stops itself (SIGSTOP) before its first
     commit: its lease expires, worker 1 redoes those pages, and when worker 0 is continued its
     late commit is refused by the fencing token. The bytes are those of one process."""
