@@ -327,6 +327,10 @@ def test_the_cli_contract_names_outputs_after_the_input_and_rejects_bad_flags(tm
     assert (out / "errors.jsonl").exists()
     assert main(["parse-status", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["done"] == 1
+    # the same workspace with other options: refused, saying what differs, nothing written
+    assert main(["parse", str(pdf), "--output", str(out), "--pages", "1", "--formats", "json", "--jsonl-shards", "2",
+                 "--dpi", "100", *base_args(layout_dir, layout)]) == 2
+    assert "dpi" in capsys.readouterr().err
     for bad, what in ((["--formats", "xml"], "formats"), (["--pages", "3-1"], "3-1"),
                       (["--workers", "0"], "workers")):
         assert main(["parse", str(pdf), "--output", str(tmp_path / "bad"), *bad, *base_args(layout_dir)]) == 2
