@@ -78,7 +78,8 @@ class WorkspaceSink:
 
 def open_workspace(opts: ParseOptions, inputs: list[str]):
     """The workspace under opts.output with the inputs' documents added (each input's pages, or
-    its input error) -> (workspace, pending PageWork)."""
+    its input error) -> (workspace, pages to do). Only a count: a 10M-page manifest's pending
+    pages are leased from the workspace a few at a time, never listed."""
     from .sources import count_pages, expand_inputs, file_digest, parse_page_ranges
     from .workspace import Workspace
     ranges = parse_page_ranges(opts.pages)
@@ -97,7 +98,8 @@ def open_workspace(opts: ParseOptions, inputs: list[str]):
                 ws.add_input_error(str(p), "input", f"{type(e).__name__}: {e}")
                 continue
             ws.add_document(str(p), digest, ranges.select(n), n)
-        return ws, ws.pending(retry_failed=opts.retry_failed)
+        st = ws.status()
+        return ws, st.pending + (st.failed if opts.retry_failed else 0)
     except BaseException:
         ws.close()
         raise

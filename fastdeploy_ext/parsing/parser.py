@@ -78,11 +78,11 @@ class DocumentParser:
             self.last_pipeline = pipe
             yield from pipe.run(jobs)
             return
-        ws, pending = coordinator.open_workspace(opts, inputs)
+        ws, todo = coordinator.open_workspace(opts, inputs)
         try:
-            self.pages_total = len(pending)
-            start(len(pending))
-            log.info("parse: %d pages to do in %s", len(pending), opts.output)
+            self.pages_total = todo
+            start(todo)
+            log.info("parse: %d pages to do in %s", todo, opts.output)
             renderer, layout, engine = self._build()
             pipe = coordinator.build_pipeline(opts, renderer=renderer, layout=layout, engine=engine,
                                               sink=coordinator.WorkspaceSink(ws))

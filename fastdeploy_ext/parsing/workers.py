@@ -148,13 +148,12 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
     from dataclasses import replace
     from .coordinator import lease_works, open_workspace
     from .leases import StaleLease
-    ws, pending = open_workspace(opts, inputs)
+    ws, todo = open_workspace(opts, inputs)
     table = ws.leases
     if owner is not None:
-        owner.pages_total = len(pending)
+        owner.pages_total = todo
     if on_start is not None:
-        on_start(len(pending))
-    todo = {w.key: w for w in pending}
+        on_start(todo)
     ctx = mp.get_context("spawn")
     workers: list[_Worker] = []
     payload = replace(opts, workers=1, gpus=None)
@@ -226,8 +225,8 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
                             log.warning("parse: %s: %s", w.name, e)
                 elif kind in ("commit", "fail"):
                     outcome = _settle(ws, table, msg)
-                    if outcome is not None:
-                        todo.pop(outcome.key, None)
+                    if outcome is not None:      # settled once (the fencing token): one page less
+                        todo -= 1
                         yield outcome
                 elif kind == "bye":
                     w.done = True
