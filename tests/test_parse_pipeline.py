@@ -305,3 +305,19 @@ def test_progress_json_lines_and_the_bar():
     bar.update(ok)
     assert bar.snapshot()["gpu_busy_pct"] is None
     bar.close()
+
+
+@pytest.mark.parametrize("threshold, kept", [(0.5, 2), (0.95, 0)])
+def test_the_layout_threshold_option_reaches_the_model_and_post_processing(threshold, kept):
+    from fastdeploy_ext.parsing.coordinator import build_pipeline
+    from fastdeploy_ext.parsing.options import ParseOptions
+
+    class Seen(FakeLayout):
+        def detect(self, images, thr):
+            self.thr = thr
+            return super().detect(images, thr)
+    layout = Seen()
+    opts = ParseOptions(stub_vlm=True, layout_threshold=threshold)
+    outs = list(build_pipeline(opts, renderer=FakeRenderer(), layout=layout, engine=None).run(jobs(1)))
+    assert layout.thr == threshold
+    assert len(outs[0].result.record["parsing_res_list"]) == kept

@@ -42,8 +42,10 @@ def build_layout(opts: ParseOptions, plan=None) -> LayoutModel:
 
 def build_pipeline(opts: ParseOptions, *, renderer, layout, engine, sink=None) -> Pipeline:
     from .blocks import ParseTaskOptions
+    from .layout_post import LayoutPostConfig
     planted = PlantedLayoutFile(opts.planted_layouts) if opts.planted_layouts else None
     return Pipeline(renderer, layout, engine, opts.pipeline_options(), sink=sink, planted=planted,
+                    post_config=LayoutPostConfig(threshold=opts.layout_threshold),
                     task_options=ParseTaskOptions(chart_recognition=opts.chart_recognition,
                                                   seal_recognition=opts.seal_recognition))
 

@@ -66,7 +66,7 @@ class ParseOptions:
 
     def pipeline_options(self) -> PipelineOptions:
         return PipelineOptions(max_pages_in_flight=self.max_pages_in_flight, layout_batch=self.layout_batch,
-                               layout_threshold=min(self.layout_threshold, 0.3), dpi=self.dpi,
+                               layout_threshold=self.layout_threshold, dpi=self.dpi,
                                max_new_tokens=self.max_new_tokens, block_max_pixels=self.block_max_pixels,
                                stub_vlm=self.stub_vlm)
 
