@@ -321,3 +321,12 @@ def test_the_layout_threshold_option_reaches_the_model_and_post_processing(thres
     outs = list(build_pipeline(opts, renderer=FakeRenderer(), layout=layout, engine=None).run(jobs(1)))
     assert layout.thr == threshold
     assert len(outs[0].result.record["parsing_res_list"]) == kept
+
+
+def test_parse_without_a_layout_model_says_its_boxes_mean_nothing(caplog):
+    from fastdeploy_ext.entrypoints.cli import build_parser
+    from fastdeploy_ext.entrypoints.parse_cmd import parse_options_from_args
+    ns = build_parser().parse_args(["parse", "x.pdf", "--output", "o", "--stub-vlm", "--device", "cpu"])
+    with caplog.at_level("WARNING", logger="fastdeploy_ext"):
+        opts = parse_options_from_args(ns, output="o")
+    assert opts.layout_model is None and "random weights" in caplog.text
