@@ -273,8 +273,16 @@ def test_the_engine_driver_runs_requests_submitted_while_others_run():
     ev = threading.Event()
     drv2.submit({"prompt": 3}, SamplingParams(max_tokens=2), 0, lambda out, err: (refused.append(err), ev.set()))
     assert ev.wait(30) and refused[0].startswith("refused:")
-    drv2.close()
+    # abort(): a request in flight ends at the next step, reported with its reason
+    ended, ev2 = [], threading.Event()
+    before = eng.stats().num_decode_steps
+    drv2.submit(a, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), 0,
+                lambda out, err: (ended.append((err, out.num_output_tokens)), ev2.set()))
+    while eng.stats().num_decode_steps < before + 2:
+        ev2.wait(0.01)
+    drv2.abort()
     drv2.join()
+    assert ev2.wait(30) and ended[0][0] == "abort" and ended[0][1] < 200
     eng.shutdown()
 
 
@@ -330,3 +338,32 @@ def test_parse_without_a_layout_model_says_its_boxes_mean_nothing(caplog):
     with caplog.at_level("WARNING", logger="fastdeploy_ext"):
         opts = parse_options_from_args(ns, output="o")
     assert opts.layout_model is None and "random weights" in caplog.text
+
+
+def test_a_run_abandoned_by_its_caller_aborts_the_blocks_in_flight():
+    class AbortingDriver(HeldDriver):
+        aborted = False
+
+        def abort(self):
+            AbortingDriver.aborted = True
+            with self.cv:
+                held = list(self.held)
+            for _, _, cb in held[:2]:          # the engine ends them with finish_reason "abort"
+                cb(None, "abort")
+    drv = AbortingDriver(None)
+    it = pipeline(driver=drv).run(jobs(2))
+    got = []
+
+    def consume():
+        for o in it:
+            got.append(o)
+            break                              # the caller stops reading after one page
+        it.close()
+    t = threading.Thread(target=consume)
+    t.start()
+    drv.wait_for(4)
+    for _, _, cb in list(drv.held[2:]):       # page 1 completes, page 0's blocks stay in flight
+        cb(Out("p1"), None)
+    t.join(timeout=60)
+    assert not t.is_alive() and [o.job.work.page_index for o in got] == [1]
+    assert AbortingDriver.aborted

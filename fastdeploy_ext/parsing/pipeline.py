@@ -201,6 +201,15 @@ class EngineDriver:
         self._closed = True
         self._wake.set()
 
+    def abort(self) -> None:
+        """The run was abandoned (the caller stopped reading, Ctrl-C): every request in flight
+        ends at the next step (finish_reason "abort"), so the thread does not decode them out."""
+        with self._lock:
+            rids = list(self._callbacks)
+        for rid in rids:
+            self.engine.abort_request(rid)
+        self.close()
+
     def join(self) -> None:
         self._thread.join()
 
@@ -328,10 +337,12 @@ class Pipeline:
                                     daemon=True)]
         for th in threads:
             th.start()
+        completed = False
         try:
             while True:
                 item = self._out.get()
                 if item is _END:
+                    completed = True
                     break
                 if isinstance(item, BaseException):
                     raise item
@@ -342,6 +353,8 @@ class Pipeline:
             self._slots.release()           # a feeder blocked on a slot sees the abort
             self._rendered.put(_END)
             self._writes.put(_END)
+            if not completed and hasattr(self.driver, "abort"):
+                self.driver.abort()
             self.driver.close()
             for th in threads:
                 th.join(timeout=30)
