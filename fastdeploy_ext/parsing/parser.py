@@ -3,12 +3,14 @@
     from fastdeploy_ext import DocumentParser
     parser = DocumentParser(model="PaddleOCR-VL", layout_model="PP-DocLayoutV3", device="cuda")
     for page in parser.parse(["report.pdf", "scans/"]):       # as each page completes
-        page.markdown, page.record, page.images
+        page.result.markdown, page.result.record, page.result.images      # or page.error
 
 ``ParseOptions`` holds the command line's options (one field per flag). With ``output`` set,
 pages go through the workspace (exactly once, resumable: a rerun skips done pages); without it
 they are only yielded. ``parse`` yields a ``PageOutcome`` per page: ``result`` (markdown,
 PaddleX-shaped record, image crops) or ``error`` (a PageError naming the stage).
+``workers > 1`` starts worker processes with multiprocessing's spawn: a script that uses it needs
+the usual ``if __name__ == "__main__":`` guard.
 """
 from __future__ import annotations
 
