@@ -5,7 +5,7 @@ table; each worker (a spawned process with its own renderer, layout model and en
 GPU with ``--gpus``, else all on the CPU or the default device) runs the pipeline over leased
 pages and sends each page's result back over its pipe. Messages:
 
-    worker -> coordinator: ("ready",) ("want",) ("renew", [lease, ...])
+    worker -> coordinator: ("ready",) ("want",) ("renew", [lease, ...]) ("busy", device busy %)
                            ("commit", lease, work, PageResult, output tokens)
                            ("fail", lease, work, stage, message) ("bye",)
     coordinator -> worker: ("lease", lease, [PageWork, ...]) ("stop",)
@@ -98,11 +98,21 @@ def worker_main(index: int, opts, conn, device: int | None, log_level: int) -> N
         held: dict[int, list] = {}           # lease_id -> [lease, pages not yet sent]
         stop = threading.Event()
 
+        make = getattr(getattr(engine, "runner", None), "utilization_reader", None)
+        busy = make() if callable(make) else None     # NVML on CUDA; None on the CPU
+
         def renew_loop():
-            while not stop.wait(opts.lease_ttl_s / 3):
+            # renewals every ttl/3 at most; the device's busy % (for the coordinator's progress)
+            # every 2 s where there is a reader
+            while not stop.wait(min(opts.lease_ttl_s / 3, 2.0) if busy is not None else opts.lease_ttl_s / 3):
                 leases = [e[0] for e in list(held.values())]
                 if leases:
                     link.send(("renew", leases))
+                if busy is not None:
+                    try:
+                        link.send(("busy", float(busy())))
+                    except Exception:  # noqa: BLE001 - a management library hiccup: no sample
+                        pass
         threading.Thread(target=renew_loop, name="fdx-parse-renew", daemon=True).start()
 
         def jobs() -> Iterator[PageJob]:
@@ -150,8 +160,10 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
     from .leases import StaleLease
     ws, todo = open_workspace(opts, inputs)
     table = ws.leases
+    gpu_busy: dict[str, float] = {}      # worker -> its device's last busy %
     if owner is not None:
         owner.pages_total = todo
+        owner._gpu_read = lambda: sum(gpu_busy.values()) / len(gpu_busy) if gpu_busy else None
     if on_start is not None:
         on_start(todo)
     ctx = mp.get_context("spawn")
@@ -228,6 +240,8 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
                     if outcome is not None:      # settled once (the fencing token): one page less
                         todo -= 1
                         yield outcome
+                elif kind == "busy":
+                    gpu_busy[w.name] = msg[1]
                 elif kind == "bye":
                     w.done = True
             # hand out work to every worker waiting for it (pages of expired leases first), once
