@@ -15,6 +15,9 @@ def __getattr__(name):
     if name == "Detector":
         from .entrypoints.detector import Detector
         return Detector
+    if name in ("DocumentParser", "ParseOptions"):
+        from .parsing import parser
+        return getattr(parser, name)
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams

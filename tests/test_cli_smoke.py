@@ -34,6 +34,9 @@ COVERED_ELSEWHERE = {
     "bench serve": "tests/test_bench_serve.py (own server and --base-url)",
     "detect": "tests/test_cli_detect.py",
     "bench detect": "tests/test_bench_detect.py",
+    "parse": "tests/test_parse_e2e.py",
+    "parse-status": "tests/test_parse_e2e.py::test_the_cli_contract_names_outputs_after_the_input_and_rejects_bad_flags",
+    "bench parse": "tests/test_parse_e2e.py::test_bench_parse_command_with_the_stub_vlm_and_real_pdfs",
 }
 SMOKED_HERE = {"bench vision", "bench gemm", "bench generate", "bench preprocess", "bench attention", "bench layers"}
 

@@ -265,6 +265,37 @@ def cmd_detect(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- parse
+def add_parse_subcommands(sub) -> None:
+    """`parse` and `parse-status` (entrypoints/parse_cmd.py)."""
+    from .parse_cmd import add_parse_commands
+    add_parse_commands(sub, command_parser)
+
+
+def add_bench_parse_subcommand(bsub) -> None:
+    """`bench parse`: ours vs the PaddleX-style page-group pipeline on one engine (bench/parse.py)."""
+    from ..bench import parse as parse_bench
+    from .parse_cmd import add_parse_options
+    bp = command_parser(bsub, "parse", "document parsing pages/s: our pipeline vs PaddleX's page groups "
+                                       "(synthetic planted-layout PDFs, or --pdf DIR)")
+    add_model_args(bp)
+    add_parse_options(bp)
+    add_runner_args(bp, model=False)
+    add_engine_args(bp)
+    parse_bench.add_arguments(bp)
+    bp.set_defaults(func=cmd_bench_parse)
+
+
+def cmd_bench_parse(args) -> int:
+    from ..bench import parse as parse_bench
+    from .parse_cmd import parse_options_from_args
+    opts = parse_options_from_args(args, output=None, default_dummy=True)
+    try:
+        return parse_bench.run_cli(opts, parse_bench.options_from_args(args))
+    except (PlanError, RuntimeError, ValueError) as e:
+        raise CliError(str(e)) from None
+
+
 def build_parser():
     p = root_parser("fastdeploy-ext", "Fast OCR VLM inference (PaddleOCR-VL)")
     p.add_argument("--version", action="version", version=f"fastdeploy-ext {__version__}")
@@ -314,6 +345,8 @@ def build_parser():
     add_runner_args(det, model=False)
     det.set_defaults(func=cmd_detect)
 
+    add_parse_subcommands(sub)
+
     bench = command_parser(sub, "bench", "benchmarks: ours vs the transformers reference, as ratios")
     bsub = bench.add_subparsers(dest="bench_target", required=True)
     from ..bench import attention as attention_bench
@@ -352,6 +385,7 @@ def build_parser():
                                         "32 vs transformers, same weights and pixels")
     detect_bench.add_arguments(bd)
     bd.set_defaults(func=detect_bench.run_cli)
+    add_bench_parse_subcommand(bsub)
 
     # listed here for --help; main() hands `serve` to the api_server module (one code path,
     # which also expands --config FILE.yaml before parsing)
