@@ -208,6 +208,27 @@ def test_pool_survives_failing_crashing_and_hung_pages(tmp_path):
         assert r.restarts == 2                  # the crash and the hang; a raise keeps its worker
 
 
+def test_a_worker_that_cannot_start_fails_its_page_and_the_next_one_starts(tmp_path, monkeypatch):
+    """Process.start raising (a daemonic caller may not have children) fails that page with the
+    reason; the slot's thread lives on and starts a worker for the next page."""
+    ok = tmp_path / "ok.png"
+    Image.new("RGB", (20, 10), (9, 9, 9)).save(ok)
+    import multiprocessing.process as mp_process
+    real_start, calls = mp_process.BaseProcess.start, []
+
+    def start_once_failing(self):
+        calls.append(self.name)
+        if len(calls) == 1:
+            raise AssertionError("daemonic processes are not allowed to have children")
+        return real_start(self)
+    monkeypatch.setattr(mp_process.BaseProcess, "start", start_once_failing)
+    with PageRenderer(workers=1) as r:
+        e = error_of(r.submit(RenderTask(str(ok), 0)))
+        assert e.stage == "render" and "not allowed to have children" in e.message
+        assert r.submit(RenderTask(str(ok), 0)).result(timeout=120).image.shape == (10, 20, 3)
+    assert len(calls) == 2
+
+
 def test_submit_after_close_and_cancel_on_close(tmp_path):
     r = PageRenderer(workers=1)
     r.close()

@@ -267,11 +267,18 @@ class _Slot:
     def _start(self) -> None:
         ctx = self.renderer._ctx
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, self.renderer._render_fn, os.getpid()),
-                                name=f"fdx-render-{self.index}", daemon=True)
-        self.proc.start()
+        proc = ctx.Process(target=_worker_main, args=(child, self.renderer._render_fn, os.getpid()),
+                           name=f"fdx-render-{self.index}", daemon=True)
+        try:
+            proc.start()
+        except BaseException:
+            # a process that never started has nothing to kill or join: the slot stays empty and
+            # the page fails with the reason (e.g. a daemonic caller may not have children)
+            parent.close()
+            child.close()
+            raise
         child.close()
-        self.conn = parent
+        self.proc, self.conn = proc, parent
         if not parent.poll(WORKER_START_TIMEOUT_S):
             self._stop(kill=True)
             raise RuntimeError(f"render worker {self.index} did not start within {WORKER_START_TIMEOUT_S:g} s")
@@ -334,7 +341,11 @@ class _Slot:
                 else:
                     fut.set_exception(value)
             except BaseException as e:  # noqa: BLE001 - the slot survives; the page fails
-                self._restart_after(f"{type(e).__name__}: {e}")
+                try:
+                    self._restart_after(f"{type(e).__name__}: {e}")
+                except BaseException as stop_error:  # noqa: BLE001 - the thread must outlive a bad worker
+                    log.warning("render worker %d could not be stopped: %s", self.index, stop_error)
+                    self.proc, self.conn = None, None
                 if not fut.done():
                     fut.set_exception(e if isinstance(e, PageError) else PageError(
                         "render", f"{task.path}: page {task.page_index + 1}: {type(e).__name__}: {e}"))
