@@ -7,6 +7,7 @@ without a sync (the device API's stage_and_upload: pinned + non-blocking on CUDA
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -102,15 +103,16 @@ class TextStepRunner:
                                 f"got {list(s.rope_positions.shape)}")
             if s.prev_row is not None:
                 m = 0 if step.prev_token_ids is None else step.prev_token_ids.shape[0]
-                if step.is_prefill or not 0 <= s.prev_row < m:
-                    raise StepError(f"seq {s.seq_id}: prev_row {s.prev_row} needs a decode step whose "
-                                    f"prev_token_ids has that row (it has {m})")
+                if n != 1 or not 0 <= s.prev_row < m:
+                    raise StepError(f"seq {s.seq_id}: prev_row {s.prev_row} needs a decode row (one token) in a "
+                                    f"step whose prev_token_ids has that row (it has {m}, {n} tokens)")
 
-    def feed_device_ids(self, token_ids: torch.Tensor, step: StepBatch) -> None:
+    def feed_device_ids(self, token_ids: torch.Tensor, step: StepBatch, offsets: list[int] | None = None) -> None:
         """Rows whose token is the previous step's sampled id get it on the device (token_ids:
-        the step's uploaded ids, row i = step.seqs[i] in a decode step): one small index upload
-        and a gather, no host round trip."""
-        pairs = [(i, s.prev_row) for i, s in enumerate(step.seqs) if s.prev_row is not None]
+        the step's uploaded ids; the token of step.seqs[i] is row offsets[i], default i as in a
+        decode step): one small index upload and a gather, no host round trip."""
+        pairs = [(i if offsets is None else offsets[i], s.prev_row) for i, s in enumerate(step.seqs)
+                 if s.prev_row is not None]
         if not pairs:
             return
         dst, src = self.upload(torch.tensor(pairs, dtype=torch.int64).T.contiguous())
@@ -166,6 +168,8 @@ class TextStepRunner:
         token_ids = self.upload(torch.as_tensor(ids, dtype=torch.int64))
         if not step.is_prefill:
             self.feed_device_ids(token_ids, step)
+        elif step.prev_token_ids is not None:       # a mixed step's decode rows
+            self.feed_device_ids(token_ids, step, list(itertools.accumulate(qlens, initial=0)))
         return StepInputs(token_ids, self.upload(positions), embeds,
                           self.upload(torch.as_tensor(img_rows, dtype=torch.int64)) if img_rows else None,
                           self.upload(torch.as_tensor(logits_rows, dtype=torch.int64)), meta)

@@ -66,6 +66,8 @@ class EngineConfig:
                                                # async engine reports itself stuck
     async_scheduling: bool | None = None       # overlap step N+1's host work with step N (None: the row's default)
                                                # (LLMEngine decides with the runner: async_decision)
+    mixed_steps: bool | None = None            # running requests' decode rows in prefill steps (None: the
+                                               # row's default; LLMEngine decides: mixed_decision)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_encoder_patches",
@@ -121,6 +123,29 @@ class EngineConfig:
                                    "not yet verified on this device); --async-scheduling turns it on")
         return Decision(True, f"default{f' of row {row.name}' if row is not None else ''}: {how}")
 
+    def mixed_decision(self, runner) -> Decision:
+        """Mixed steps (scheduler.py): the running requests' decode rows in the steps that admit
+        new ones, so the newcomers' vision pass and prefill do not stall their next token.
+        --mixed-steps / --no-mixed-steps when given; otherwise the runner's capability row
+        (``mixed_steps.default``). Never on a runner that cannot take decode rows in a prefill
+        step (``takes_mixed_steps``)."""
+        how = ("running requests get their next token in the steps that prefill new ones (their inter-token gap "
+               "is one step, not a vision pass plus a prefill and then a decode)")
+        if self.mixed_steps is False:
+            return Decision(False, "--no-mixed-steps: a step that admits requests is a prefill only, running "
+                                   "requests wait for it")
+        if not getattr(runner, "takes_mixed_steps", False):
+            name = getattr(runner, "name", type(runner).__name__)
+            return Decision(False, f"the {name} runner cannot take decode rows in a prefill step "
+                                   "(takes_mixed_steps): prefill and decode steps apart")
+        if self.mixed_steps is True:
+            return Decision(True, f"--mixed-steps: {how}")
+        row = getattr(runner, "row", None)
+        if row is not None and not getattr(row, "mixed_steps_default", True):
+            return Decision(False, f"row {row.name}: mixed_steps.default is false (decode rows through the prefill "
+                                   "kernels not yet measured on this device); --mixed-steps turns it on")
+        return Decision(True, f"default{f' of row {row.name}' if row is not None else ''}: {how}")
+
     def encoder_cache_rows(self) -> Decision:
         """Embedding rows of the encoder cache. Default max(--max-num-batched-tokens,
         --max-model-len): a step's placeholder tokens never exceed it, so the cache never delays
@@ -137,10 +162,10 @@ class EngineConfig:
                                                 f"--max-model-len: max prefill holds a whole prompt's items at once")
         return Decision(self.encoder_cache_size, "--encoder-cache-size")
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, mixed_steps: bool = False) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_encoder_cost=self.max_encoder_patches,
-                               enable_max_prefill=bool(self.max_prefill().value))
+                               enable_max_prefill=bool(self.max_prefill().value), mixed_steps=mixed_steps)
 
 
 __all__ = ["EngineConfig", "InvalidRequest", "parse_bytes", "parse_limit_mm"]
