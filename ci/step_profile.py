@@ -26,6 +26,10 @@ building, scheduling, sampling, output processing; it runs against older trees t
     python3 ci/step_profile.py --prefill --device cuda --pages 8 --lines 512
     python3 ci/step_profile.py --prefill --device cpu --pages 1 --lines 32
     python3 ci/step_profile.py --prefill --device cpu --host-only --pages 2 --lines 64 --line-tokens 4
+
+--count-calls (with --prefill): torch calls (functions and Tensor methods, each a dispatcher trip
+and on a device an op or a launch) of one prefill step of 8 and of 32 line crops, grouped by the
+calling function: the per-image slope says what still costs per image (device independent).
 """
 from __future__ import annotations
 
@@ -225,6 +229,43 @@ def stub_compute(engine: LLMEngine) -> None:
     runner.text.forward = lambda inp: torch.zeros(inp.logits_index.shape[0], vocab, device=dev)
 
 
+def count_calls(engine: LLMEngine, label: str) -> None:
+    import collections
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    from fastdeploy_ext.bench.generate import bench_params, line_pngs
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.by = collections.Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") != "__get__":          # attribute reads are not ops
+                f = sys._getframe(1)
+                self.by[f"{f.f_code.co_filename.split('fastdeploy_ext/')[-1]}:{f.f_code.co_name}"] += 1
+            return func(*args, **(kwargs or {}))
+    pngs = line_pngs(32)
+    counted = {}
+    for n in (8, 32, 8, 32):                 # the first two warm the per-shape caches
+        for i, png in enumerate(pngs[:n]):
+            engine.add_sequence(engine.process_request(f"calls-{n}-{i}-{time.monotonic_ns()}",
+                                                       {"prompt": "OCR:", "images": [png]}, bench_params(2)))
+        with Calls() as c:
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        counted[n] = c.by
+    slope = {k: (counted[32][k] - counted[8][k]) / 24 for k in counted[32] | counted[8]}
+    print(f"[{label}] torch calls in one prefill step: 8 images {sum(counted[8].values())}, 32 images "
+          f"{sum(counted[32].values())}; per image {sum(slope.values()):.1f}, by caller:")
+    for k, v in sorted(slope.items(), key=lambda kv: -kv[1]):
+        if v:
+            print(f"[{label}]   {v:6.1f}  {k}")
+
+
 def prefill_main(args) -> None:
     from fastdeploy_ext.device_api import device_api_for
     on_cpu = args.device == "cpu"
@@ -243,6 +284,10 @@ def prefill_main(args) -> None:
     print(f"[{args.label}] async scheduling {'on' if engine.async_scheduling.value else 'off'}; mixed steps "
           + (f"{'on' if mixed.value else 'off'} ({mixed.reason})" if mixed else "n/a (this tree has none)")
           + ("; host only (vision and text forwards return zeros)" if args.host_only else ""))
+    if args.count_calls:
+        count_calls(engine, args.label)
+        engine.shutdown()
+        return
     if args.host_only:
         stub_compute(engine)
     profile = device_api_for(engine.runner.device).profiler_activity is not None and not args.host_only
@@ -269,6 +314,7 @@ def main() -> None:
     ap.add_argument("--line-tokens", type=int, default=32)
     ap.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--host-only", action="store_true", help="--prefill: zeros for the vision and text forwards")
+    ap.add_argument("--count-calls", action="store_true", help="--prefill: torch calls per image of a prefill step")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="--prefill: off by default so each step's kernels end inside it")
     ap.add_argument("--label", default="")
