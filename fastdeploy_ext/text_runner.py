@@ -84,7 +84,7 @@ class TextStepRunner:
         if not step.seqs:
             raise StepError("empty StepBatch")
         bs, nb = self.block_size, self.num_blocks
-        for s in step.seqs:
+        for i, s in enumerate(step.seqs):
             n = len(s.token_ids)
             if n == 0:
                 raise StepError(f"seq {s.seq_id}: no tokens")
@@ -102,6 +102,9 @@ class TextStepRunner:
             if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (p_rows, n):
                 raise StepError(f"seq {s.seq_id}: rope_positions must be [{p_rows}, {n}], "
                                 f"got {list(s.rope_positions.shape)}")
+            if i < step.num_decode_rows and (not step.is_prefill or n != 1 or s.rope_positions is not None):
+                raise StepError(f"seq {s.seq_id}: row {i} of a step's {step.num_decode_rows} leading decode rows "
+                                f"must be a prefill step's one-token row without rope_positions")
             if s.prev_row is not None:
                 m = 0 if step.prev_token_ids is None else step.prev_token_ids.shape[0]
                 if n != 1 or not 0 <= s.prev_row < m:
@@ -165,8 +168,11 @@ class TextStepRunner:
         if given:       # the family's positions, scattered to their sequences' columns at once
             has_pos = np.fromiter((s.rope_positions is not None for s in seqs), bool, b)
             h_pos[:, np.flatnonzero(has_pos[seq_of])] = (given[0] if len(given) == 1 else torch.cat(given, 1)).numpy()
-        # the int32 buffer: block tables [B, max_blocks] (rows padded with block 0) | ctx | cu
-        h32 = np.zeros(b * max_blocks + 2 * b + 1, np.int32)
+        # the int32 buffer: block tables [B, max_blocks] (rows padded with block 0) | ctx | cu |
+        # a mixed step's prefill chunks' own cu (from 0)
+        d_rows = step.num_decode_rows if prefill and 0 < step.num_decode_rows < b else 0
+        n32 = b * max_blocks + 2 * b + 1
+        h32 = np.zeros(n32 + (b - d_rows + 1 if d_rows else 0), np.int32)
         tables = h32[:b * max_blocks].reshape(b, max_blocks)
         for i, s in enumerate(seqs):
             tables[i, :nblks[i]] = s.block_table[:nblks[i]]
@@ -175,15 +181,26 @@ class TextStepRunner:
         h64[k:k + img_rows.size] = img_rows
         h64[k + img_rows.size:] = logits_rows
         h32[b * max_blocks:b * max_blocks + b] = ctx
-        h32[b * max_blocks + b:] = cu
+        h32[b * max_blocks + b:n32] = cu
+        if d_rows:
+            h32[n32:] = cu[d_rows:] - d_rows          # each decode row is one token
         d64 = self.upload(torch.from_numpy(h64))
         d32 = self.upload(torch.from_numpy(h32))
         token_ids = d64[:t]
         positions = d64[t:t * (1 + p_rows)].view(p_rows, t) if prefill else d64[t:2 * t]
+        d_tables, d_ctx, d_slots = d32[:b * max_blocks].view(b, max_blocks), d32[b * max_blocks:b * max_blocks + b], \
+            d64[t * (1 + p_rows):k]
         meta = PagedStepMeta(
-            is_prefill=prefill, slot_mapping=d64[t * (1 + p_rows):k], block_tables=d32[:b * max_blocks].view(b, max_blocks),
-            context_lens=d32[b * max_blocks:b * max_blocks + b], query_lens=qlens, start_pos=starts,
-            block_size=bs, cu_query=d32[b * max_blocks + b:], max_query_len=max(qlens), max_context_len=max(ctx))
+            is_prefill=prefill, slot_mapping=d_slots, block_tables=d_tables, context_lens=d_ctx, query_lens=qlens,
+            start_pos=starts, block_size=bs, cu_query=d32[b * max_blocks + b:n32], max_query_len=max(qlens),
+            max_context_len=max(ctx))
+        if d_rows:      # the decode rows through the decode kernel, the chunks through the prefill one
+            meta.mixed = (
+                PagedStepMeta(False, d_slots[:d_rows], d_tables[:d_rows], d_ctx[:d_rows], qlens[:d_rows],
+                              starts[:d_rows], bs, max_context_len=max(ctx[:d_rows])),
+                PagedStepMeta(True, d_slots[d_rows:], d_tables[d_rows:], d_ctx[d_rows:], qlens[d_rows:], starts[d_rows:],
+                              bs, cu_query=d32[n32:], max_query_len=max(qlens[d_rows:]),
+                              max_context_len=max(ctx[d_rows:])))
         embeds = None
         if emb:         # the encoder's rows (on the device already in the engine): one cat, one move
             embeds = (emb[0] if len(emb) == 1 else torch.cat(emb)).to(self.device, non_blocking=True)
@@ -221,7 +238,8 @@ class PagedAttention:
 
     def __init__(self, runner: TextStepRunner, meta: PagedStepMeta):
         self.kv, self.meta, self.scale = runner.kv, meta, runner.scale
-        self.fn = runner.backend.prefill if meta.is_prefill else runner.backend.decode
+        self.backend = runner.backend
+        self.fn = self._mixed if meta.mixed else runner.backend.prefill if meta.is_prefill else runner.backend.decode
         c = runner.model.cfg
         self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 
@@ -235,6 +253,14 @@ class PagedAttention:
 
     def attend_cached(self, layer: int, q):
         return self.fn(q, self.kv.k[layer], self.kv.v[layer], self.meta, self.scale)
+
+    def _mixed(self, q, kc, vc, meta: PagedStepMeta, scale: float):
+        """A mixed step: its leading decode rows (one token each) by the decode kernel, which
+        batches them (the prefill kernel would give each a block of query rows, the CPU's a call
+        per row), the chunks after them by the prefill kernel."""
+        dec, pre = meta.mixed
+        n = dec.num_seqs
+        return torch.cat([self.backend.decode(q[:n], kc, vc, dec, scale), self.backend.prefill(q[n:], kc, vc, pre, scale)])
 
 
 class DecodeGraphs:

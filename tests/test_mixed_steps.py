@@ -20,18 +20,20 @@ from .test_async_scheduling import MIXED, POOLS, finals
 from .test_engine_scheduler import make_engine, prompts
 
 
-def run_arriving(eng, params=MIXED, n=8, every=3, abort_at: dict[int, str] | None = None):
-    """Request i queued before step i * every (newcomers arrive while others decode), stepped to
-    the end; aborts sent before the given step numbers. Returns ({request: [outputs]}, per step
-    the output tokens each request had after it)."""
-    reqs = list(enumerate(prompts(n)))
+def run_arriving(eng, params=MIXED, n=8, every=3, abort_at: dict[int, str] | None = None,
+                 arrivals: list[int] | None = None):
+    """Request i queued before step i * every (or arrivals[i]: newcomers arrive while others
+    decode), stepped to the end; aborts sent before the given step numbers. Returns ({request:
+    [outputs]}, per step the output tokens each request had after it)."""
+    at = arrivals or [i * every for i in range(n)]
+    reqs = [(at[i], i, p) for i, p in enumerate(prompts(n))]
     outs: dict[str, list] = {}
     counts: list[dict[str, int]] = []
     have: dict[str, int] = {}
     step = 0
     while reqs or eng.has_unfinished():
-        while reqs and reqs[0][0] * every <= step:
-            i, p = reqs.pop(0)
+        while reqs and reqs[0][0] <= step:
+            _, i, p = reqs.pop(0)
             eng.add_request(str(i), p, params[i % len(params)], stream=True)
         if abort_at and step in abort_at:
             eng.abort_request(abort_at[step])
@@ -104,6 +106,27 @@ def test_running_requests_advance_in_every_step_a_newcomer_is_encoded(async_on):
     assert gaps[False].count(0) == 5, "separate steps: each newcomer's prefill stalls request 0 once"
 
 
+def test_a_mixed_steps_encoder_budget_spreads_a_burst_of_newcomers():
+    """Request 0 decodes when seven arrive at once: with a mixed budget of 20 patches (each image
+    costs 16-48) every mixed step encodes one newcomer (the first admission may exceed the budget),
+    without it (the default budget) one mixed step encodes all seven; outputs are equal."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    arrivals = [0] + [2] * 7
+    images, got = {}, {}
+    for budget in (None, 20):
+        runner = FakeRunner()
+        eng = make_engine(runner, mixed_steps=True, mixed_encoder_patches=budget)
+        got[budget] = finals(run_arriving(eng, params, n=8, arrivals=arrivals)[0])
+        images[budget] = [sum(s.image_embeds is not None for s in st.seqs) for st in _mixed_prefills(runner)]
+        assert eng.scheduler.config.mixed_encoder_cost == (budget or 16384)
+    assert images[None] == [7] and images[20] == [1] * 7
+    assert got[20] == got[None]
+    d = EngineConfig(mixed_encoder_patches=100_000).mixed_encoder_budget()
+    assert d.value == 65536 and "capped at --max-encoder-patches" in d.reason
+    with pytest.raises(ValueError, match="--mixed-encoder-patches must be a positive integer"):
+        EngineConfig(mixed_encoder_patches=0).validate()
+
+
 def test_a_decode_row_after_a_prefill_chunk_is_refused(monkeypatch):
     """The sampler reads logits rows in scheduling order and the batch is built decode rows
     first: a scheduler that put them after the chunks (the planted bug) is an error, not
@@ -130,6 +153,7 @@ def test_the_decision_the_flag_and_the_row_default(caplog):
     assert p.parse_args([]).mixed_steps is None
     assert p.parse_args(["--mixed-steps"]).mixed_steps is True
     assert p.parse_args(["--no-mixed-steps"]).mixed_steps is False
+    assert p.parse_args(["--mixed-encoder-patches", "64"]).mixed_encoder_patches == 64
     assert "--no-mixed-steps" in EngineConfig(mixed_steps=False).mixed_decision(FakeRunner()).reason
 
     class SeparateStepsRunner(FakeRunner):

@@ -215,3 +215,36 @@ def test_planted_read_back_while_building_is_caught(monkeypatch):
     r = _meta_runner()
     with pytest.raises(HostSyncError, match="tolist"), HostSyncGuard({"meta"}):
         r.build_inputs(_on_meta(_prefill(4, mixed=True)))
+
+
+# ---------------------------------------------------------------------- a mixed step's two kernels
+def test_a_mixed_steps_decode_rows_go_to_the_decode_kernel_with_the_same_logits(monkeypatch):
+    """The leading decode rows (StepBatch.num_decode_rows) are attended by the backend's decode
+    function in one batch and the chunks by its prefill function; the logits equal those of the
+    whole step through the prefill function (fp32, the CPU's SDPA kernels)."""
+    from fastdeploy_ext.text_runner import PagedAttention
+    r, _ = _runner()
+    whole = r.forward(r.build_inputs(_prefill(5, mixed=True)))
+    seen = []
+    real_dec, real_pre = r.backend.decode, r.backend.prefill
+
+    def mixed(self, q, kc, vc, meta, scale):
+        dec, pre = meta.mixed
+        seen.append((dec.num_seqs, dec.is_prefill, pre.num_seqs, pre.cu_query.tolist()))
+        assert q.shape[0] == dec.num_seqs + sum(pre.query_lens)
+        n = dec.num_seqs
+        return torch.cat([real_dec(q[:n], kc, vc, dec, scale), real_pre(q[n:], kc, vc, pre, scale)])
+    monkeypatch.setattr(PagedAttention, "_mixed", mixed)
+    step = _prefill(5, mixed=True)
+    step.num_decode_rows = 2
+    split = r.forward(r.build_inputs(step))
+    assert seen == [(2, False, 5, [0, 7, 14, 21, 28, 35])]      # one layer: decode 2 rows, prefill 5 chunks
+    torch.testing.assert_close(split, whole)
+
+
+def test_leading_decode_rows_must_be_one_token_rows():
+    r, _ = _runner()
+    step = _prefill(3, mixed=True)
+    step.num_decode_rows = 3            # the third row is a 7-token chunk
+    with pytest.raises(StepError, match="row 2 of a step's 3 leading decode rows"):
+        r.build_inputs(step)

@@ -131,6 +131,10 @@ class LLMEngine:
                  self.async_scheduling.reason)
         self.mixed_steps = config.mixed_decision(runner)
         log.info("mixed steps: %s (%s)", "on" if self.mixed_steps.value else "off", self.mixed_steps.reason)
+        if self.mixed_steps.value:
+            self.mixed_encoder_budget = config.mixed_encoder_budget()
+            log.info("mixed steps' encoder budget: %d (%s)", self.mixed_encoder_budget.value,
+                     self.mixed_encoder_budget.reason)
         self._inflight: InFlight | None = None
         spec = runner.kv_cache_spec()
         num_blocks = self._size_kv_pool(spec)
@@ -566,7 +570,7 @@ class LLMEngine:
             steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
                                  seq.positions(s.start, s.end), seq.prompt.rope_delta,
                                  self._embeds(seq, s.start, s.end), need_logits=s.completes_prefill))
-        return StepBatch(True, steps, prev.sample.token_ids if from_device else None)
+        return StepBatch(True, steps, prev.sample.token_ids if from_device else None, num_decode_rows=n_dec)
 
     # ------------------------------------------------------------------ observability
     @property

@@ -38,7 +38,10 @@ before its next token (a 150 ms gap between two tokens on the H200 for a step of
 With them, the decode rows of the running requests are scheduled first (key order, blocks
 allocated or victims preempted exactly as in a decode step) and ride in the same step as the
 prefill, under what is left of max_num_batched_tokens: running requests advance one token in
-every step. The prefill part of a mixed step never preempts (a victim could be a decode row
+every step. A mixed step's encoder work is bounded by ``mixed_encoder_cost`` (smaller than a
+prefill step's max_encoder_cost: the decode rows wait for the step, so its vision pass is kept
+short, and newcomers' images spread over more steps; the first admission may still exceed it,
+as in any step). The prefill part of a mixed step never preempts (a victim could be a decode row
 already scheduled in it): a chunk that needs blocks waits for a step with room, and a step whose
 decode rows preempted admits nothing (the livelock rule above). A step without decode rows is
 scheduled exactly as without mixed steps. In a mixed step the decode rows come first in
@@ -126,6 +129,7 @@ class SchedulerConfig:
     max_encoder_cost: int = 65536      # one step's encoder work, in the family's unit (--max-encoder-patches)
     enable_max_prefill: bool = True
     mixed_steps: bool = False          # running requests' decode rows ride in prefill steps
+    mixed_encoder_cost: int | None = None   # a mixed step's encoder budget (None: max_encoder_cost)
 
 
 @dataclass
@@ -235,8 +239,10 @@ class Scheduler:
             return out if out.scheduled else None
         if self.num_preemptions > before or not self.waiting and not any(s.in_prefill for s in self.running):
             return decode
-        prefill = self._schedule_prefill(budget=self.config.max_num_batched_tokens - len(decode.scheduled),
-                                         may_preempt=False)
+        cfg = self.config
+        prefill = self._schedule_prefill(budget=cfg.max_num_batched_tokens - len(decode.scheduled), may_preempt=False,
+                                         cost_budget=min(cfg.max_encoder_cost, cfg.mixed_encoder_cost or
+                                                         cfg.max_encoder_cost))
         if not prefill.scheduled:
             return decode
         for s in decode.scheduled:
@@ -290,13 +296,15 @@ class Scheduler:
         for k in items:
             self.encoder_cache.reserve((seq.seq_id, k), seq.items[k].num_embeddings)
 
-    def _schedule_prefill(self, budget: int | None = None, may_preempt: bool = True) -> SchedulerOutput:
+    def _schedule_prefill(self, budget: int | None = None, may_preempt: bool = True,
+                          cost_budget: int | None = None) -> SchedulerOutput:
         """``budget``: the step's tokens left (default max_num_batched_tokens); ``may_preempt``
-        False: a chunk that needs blocks the pool does not have waits (mixed steps)."""
+        False: a chunk that needs blocks the pool does not have waits; ``cost_budget``: the
+        step's encoder work (default max_encoder_cost); mixed steps pass both."""
         cfg = self.config
         out = SchedulerOutput(is_prefill=True)
         budget = cfg.max_num_batched_tokens if budget is None else budget
-        cost_left = cfg.max_encoder_cost
+        cost_left = cfg.max_encoder_cost if cost_budget is None else cost_budget
         preemptions_before = self.num_preemptions
         # 1. chunked mode: running sequences whose prompt is only partly in the cache go first
         for seq in list(self.running):

@@ -60,6 +60,9 @@ class StepBatch:
     seqs: list[SeqStep] = field(default_factory=list)
     prev_token_ids: torch.Tensor | None = None   # int64 [m] on the device: the previous step's sampled
                                          # ids, read by the rows with a prev_row
+    num_decode_rows: int = 0             # a mixed prefill step: its first rows are decode rows (one
+                                         # token each, no rope_positions); the runner may attend them
+                                         # with its decode kernel and the rest with its prefill kernel
 
     @property
     def num_tokens(self) -> int:
