@@ -106,6 +106,18 @@ def test_running_requests_advance_in_every_step_a_newcomer_is_encoded(async_on):
     assert gaps[False].count(0) == 5, "separate steps: each newcomer's prefill stalls request 0 once"
 
 
+class EncodeStepRunner(FakeRunner):
+    """Records the index of the step each vision pass belongs to (it runs just before it)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.encoded_in: list[int] = []
+
+    def encode_images(self, batch):
+        self.encoded_in.append(len(self.steps))
+        return super().encode_images(batch)
+
+
 def test_a_mixed_steps_encoder_budget_spreads_a_burst_of_newcomers():
     """Request 0 decodes when seven arrive at once: with a mixed budget of 20 patches (each image
     costs 16-48) every mixed step encodes one newcomer (the first admission may exceed the budget),
@@ -121,6 +133,16 @@ def test_a_mixed_steps_encoder_budget_spreads_a_burst_of_newcomers():
         assert eng.scheduler.config.mixed_encoder_cost == (budget or 16384)
     assert images[None] == [7] and images[20] == [1] * 7
     assert got[20] == got[None]
+    # chunked: an item costlier than the mixed budget still runs while others decode (full budget
+    # when nothing fits), never waiting for the decodes to end
+    ref = finals(run_arriving(make_engine(mixed_steps=False, enable_max_prefill=False, max_num_batched_tokens=9),
+                              params, n=8, arrivals=arrivals)[0])
+    runner = EncodeStepRunner()
+    eng = make_engine(runner, mixed_steps=True, mixed_encoder_patches=1, enable_max_prefill=False,
+                      max_num_batched_tokens=9)
+    assert finals(run_arriving(eng, params, n=8, arrivals=arrivals)[0]) == ref
+    decoding = [any(s.rope_positions is None for s in runner.steps[i].seqs) for i in runner.encoded_in]
+    assert any(decoding), "images were encoded in steps that also decoded"
     d = EngineConfig(mixed_encoder_patches=100_000).mixed_encoder_budget()
     assert d.value == 65536 and "capped at --max-encoder-patches" in d.reason
     with pytest.raises(ValueError, match="--mixed-encoder-patches must be a positive integer"):

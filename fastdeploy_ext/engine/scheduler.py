@@ -240,9 +240,13 @@ class Scheduler:
         if self.num_preemptions > before or not self.waiting and not any(s.in_prefill for s in self.running):
             return decode
         cfg = self.config
-        prefill = self._schedule_prefill(budget=cfg.max_num_batched_tokens - len(decode.scheduled), may_preempt=False,
-                                         cost_budget=min(cfg.max_encoder_cost, cfg.mixed_encoder_cost or
-                                                         cfg.max_encoder_cost))
+        budget = cfg.max_num_batched_tokens - len(decode.scheduled)
+        cost = min(cfg.max_encoder_cost, cfg.mixed_encoder_cost or cfg.max_encoder_cost)
+        prefill = self._schedule_prefill(budget=budget, may_preempt=False, cost_budget=cost)
+        if not prefill.scheduled and cost < cfg.max_encoder_cost:
+            # nothing fit the mixed budget (a chunk's next item costs more): the full budget, else
+            # that item would wait for as long as anything decodes (nothing was reserved above)
+            prefill = self._schedule_prefill(budget=budget, may_preempt=False)
         if not prefill.scheduled:
             return decode
         for s in decode.scheduled:
