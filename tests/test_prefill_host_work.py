@@ -248,3 +248,52 @@ def test_leading_decode_rows_must_be_one_token_rows():
     step.num_decode_rows = 3            # the third row is a 7-token chunk
     with pytest.raises(StepError, match="row 2 of a step's 3 leading decode rows"):
         r.build_inputs(step)
+
+
+# ---------------------------------------------------------------------- the vision metadata's new sizes
+@pytest.fixture(scope="module")
+def vision_runner():
+    from fastdeploy_ext.conformance.references import Manifest
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import create_runner
+    r = create_runner(PlanRequest(device="cpu", dtype="float32"))
+    r.load_model(str(Manifest.load().path("tiny_vl")))
+    return r
+
+
+def _distinct_grids(n: int, salt: int):
+    return [(1, 2 * (1 + (i + salt) % 5), 2 * (1 + (7 * i + salt) % 29)) for i in range(n)]
+
+
+def calls_per_new_size(r, n_small=6, n_large=24) -> float:
+    """Torch calls per frame size the metadata cache has not seen, from two fresh caches."""
+    counts = []
+    for n in (n_small, n_large):
+        r._init_metadata()
+        grids = list(dict.fromkeys(_distinct_grids(n, salt=3)))
+        with TorchCalls() as calls:
+            r.meta_builder.build_host(grids)
+        counts.append((len(grids), calls.n))
+    (a, ca), (b, cb) = counts
+    return (cb - ca) / (b - a)
+
+
+def test_a_batchs_new_sizes_are_created_together_bitwise_equal(vision_runner):
+    """Document crops bring a new (h, w) nearly every image: the batch's new sizes are created in
+    one pass (a few torch calls each, ~80 one by one), bitwise equal to one by one."""
+    r = vision_runner
+    grids = _distinct_grids(30, salt=0) + [(2, 4, 6)]
+    r._init_metadata()
+    one = [r.meta_builder.build_host([g]) for g in grids]
+    r._init_metadata()
+    together = r.meta_builder.build_host(grids)
+    for field in ("pos_embed", "cos", "sin"):
+        assert torch.equal(getattr(together, field), torch.cat([getattr(m, field) for m in one])), field
+    assert calls_per_new_size(r) <= 16
+
+
+def test_planted_one_by_one_creation_is_caught(vision_runner, monkeypatch):
+    from fastdeploy_ext.models.paddleocr_vl.metadata import MetadataBuilder
+    r = vision_runner
+    monkeypatch.setattr(MetadataBuilder, "_create_tables", lambda self, shapes: {})    # every size alone
+    assert calls_per_new_size(r) > 16
