@@ -64,6 +64,9 @@ if [[ $steps == *" prefill "* ]]; then
     echo "### step_profile --prefill $m" >> "$log"
     timeout ${PREFILL_TIMEOUT:-240} python3 ci/step_profile.py --prefill --device cuda --pages 8 --lines 512 $m \
       --label "prefill${m#--}" >> "$log" 2>&1
+    [[ $m == --mixed-steps ]] && { echo "### step_profile --prefill $m, GIL switch interval 0.5 ms" >> "$log"
+      timeout ${PREFILL_TIMEOUT:-240} python3 ci/step_profile.py --prefill --device cuda --pages 8 --lines 512 $m \
+        --switch-interval 0.0005 --label "prefill-si0.5ms" >> "$log" 2>&1; }
     echo "### bench generate --itl $m (blocks --pages 8, lines512)" >> "$log"
     timeout ${PREFILL_TIMEOUT:-240} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 --no-reference \
       --workloads blocks,lines512 --pages 8 --itl $m --json-out "$OUT/itl${m#--}.json" >> "$log" 2>&1

@@ -315,6 +315,10 @@ def main() -> None:
     ap.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--host-only", action="store_true", help="--prefill: zeros for the vision and text forwards")
     ap.add_argument("--count-calls", action="store_true", help="--prefill: torch calls per image of a prefill step")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="--prefill: sys.setswitchinterval(S) first (Python's default 0.005): if 'streaming' "
+                         "prefill steps are slow from the step loop waiting for the GIL the preprocessing threads "
+                         "hold (it releases it at every torch call), a shorter interval shrinks the gap")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="--prefill: off by default so each step's kernels end inside it")
     ap.add_argument("--label", default="")
@@ -326,6 +330,10 @@ def main() -> None:
                     "decode steps at batch 1 (cProfile: slows every call alike, compare commits by it)")
     args = ap.parse_args()
     if args.prefill:
+        if args.switch_interval is not None:
+            import sys
+            sys.setswitchinterval(args.switch_interval)
+            print(f"[{args.label}] sys.setswitchinterval({args.switch_interval})")
         prefill_main(args)
         return
     cfg = EngineConfig(load_format="dummy", plan=PlanRequest(device=args.device, dtype="bfloat16"),
