@@ -84,7 +84,11 @@ class TextStepRunner:
         if not step.seqs:
             raise StepError("empty StepBatch")
         bs, nb = self.block_size, self.num_blocks
-        for i, s in enumerate(step.seqs):
+        for i, s in enumerate(step.seqs[:step.num_decode_rows]):      # a mixed step's leading decode rows
+            if not step.is_prefill or len(s.token_ids) != 1 or s.rope_positions is not None:
+                raise StepError(f"seq {s.seq_id}: row {i} of a step's {step.num_decode_rows} leading decode rows "
+                                f"must be a prefill step's one-token row without rope_positions")
+        for s in step.seqs:
             n = len(s.token_ids)
             if n == 0:
                 raise StepError(f"seq {s.seq_id}: no tokens")
@@ -102,9 +106,6 @@ class TextStepRunner:
             if step.is_prefill and s.rope_positions is not None and tuple(s.rope_positions.shape) != (p_rows, n):
                 raise StepError(f"seq {s.seq_id}: rope_positions must be [{p_rows}, {n}], "
                                 f"got {list(s.rope_positions.shape)}")
-            if i < step.num_decode_rows and (not step.is_prefill or n != 1 or s.rope_positions is not None):
-                raise StepError(f"seq {s.seq_id}: row {i} of a step's {step.num_decode_rows} leading decode rows "
-                                f"must be a prefill step's one-token row without rope_positions")
             if s.prev_row is not None:
                 m = 0 if step.prev_token_ids is None else step.prev_token_ids.shape[0]
                 if n != 1 or not 0 <= s.prev_row < m:
@@ -123,12 +124,11 @@ class TextStepRunner:
         token_ids.index_copy_(0, dst, step.prev_token_ids.index_select(0, src))
 
     def build_inputs(self, step: StepBatch) -> StepInputs:
-        """The step's device inputs, built on the host with a fixed number of vectorised numpy
-        operations and TWO uploads whatever the number of sequences (every int64 field packed
-        into one buffer, every int32 one into another; the device tensors are views of them):
-        a prefill of 40 small crops pays what a prefill of one does, plus its per-row numpy
-        writes. The only per-sequence work left is Python bookkeeping (lengths, each block table
-        row written into the packed buffer), no tensor op."""
+        """The step's device inputs, built on the host with vectorised numpy and TWO uploads
+        whatever the number of sequences (every int64 field packed into one buffer, every int32
+        one into another; the device tensors are views of them): the torch ops and uploads of a
+        prefill of 40 small crops are those of a prefill of two. The per-sequence work left is
+        Python bookkeeping (lengths, each block table row written into the packed buffer)."""
         self._check(step)
         bs, seqs, prefill = self.block_size, step.seqs, step.is_prefill
         b = len(seqs)
