@@ -3,8 +3,10 @@
 # carried as a wheel (both measured in the same call), the full-size text parity check, bench
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
-#   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare]
-#   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side)
+#   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill]
+#   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
+#   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
+#   inter-token gaps of running requests, with mixed steps off and on)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -56,6 +58,19 @@ if [[ $steps == *" compare "* ]] && ls .whl_old/*.whl >/dev/null 2>&1; then
     done
   done
   python3 ci/compare_generate.py "$OUT"/compare_OLD_*.json -- "$OUT"/compare_NEW_*.json >> "$log" 2>&1
+fi
+if [[ $steps == *" prefill "* ]]; then
+  for m in --no-mixed-steps --mixed-steps; do
+    echo "### step_profile --prefill $m" >> "$log"
+    timeout ${PREFILL_TIMEOUT:-240} python3 ci/step_profile.py --prefill --device cuda --pages 8 --lines 512 $m \
+      --label "prefill${m#--}" >> "$log" 2>&1
+    [[ $m == --mixed-steps ]] && { echo "### step_profile --prefill $m, GIL switch interval 0.5 ms" >> "$log"
+      timeout ${PREFILL_TIMEOUT:-240} python3 ci/step_profile.py --prefill --device cuda --pages 8 --lines 512 $m \
+        --switch-interval 0.0005 --label "prefill-si0.5ms" >> "$log" 2>&1; }
+    echo "### bench generate --itl $m (blocks --pages 8, lines512)" >> "$log"
+    timeout ${PREFILL_TIMEOUT:-240} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 --no-reference \
+      --workloads blocks,lines512 --pages 8 --itl $m --json-out "$OUT/itl${m#--}.json" >> "$log" 2>&1
+  done
 fi
 if [[ $steps == *" serve "* ]]; then
   echo "### bench serve" >> "$log"

@@ -40,6 +40,7 @@ Schema (one entry under ``rows:`` per device family)::
         fused_layers: {supported: false, default: false}   # optional (absent = unsupported)
         kv_block_size: 16              # optional: tokens per KV block (default 16)
         async_scheduling: {default: true}   # optional: overlapped scheduling unless the user says (default true)
+        mixed_steps: {default: true}   # optional: decode rows in prefill steps unless the user says (default true)
 
 (``vision_varlen_attention`` entries name backends of ``fastdeploy_ext/ops/attention/varlen.py``
 or ones the row's backend contributes (``DeviceRunner.kernel_backends``); the objects own their

@@ -7,11 +7,13 @@ without a sync (the device API's stage_and_upload: pinned + non-blocking on CUDA
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from .device_api import DeviceAPI, device_api_for
@@ -82,6 +84,10 @@ class TextStepRunner:
         if not step.seqs:
             raise StepError("empty StepBatch")
         bs, nb = self.block_size, self.num_blocks
+        for i, s in enumerate(step.seqs[:step.num_decode_rows]):      # a mixed step's leading decode rows
+            if not step.is_prefill or len(s.token_ids) != 1 or s.rope_positions is not None:
+                raise StepError(f"seq {s.seq_id}: row {i} of a step's {step.num_decode_rows} leading decode rows "
+                                f"must be a prefill step's one-token row without rope_positions")
         for s in step.seqs:
             n = len(s.token_ids)
             if n == 0:
@@ -102,73 +108,108 @@ class TextStepRunner:
                                 f"got {list(s.rope_positions.shape)}")
             if s.prev_row is not None:
                 m = 0 if step.prev_token_ids is None else step.prev_token_ids.shape[0]
-                if step.is_prefill or not 0 <= s.prev_row < m:
-                    raise StepError(f"seq {s.seq_id}: prev_row {s.prev_row} needs a decode step whose "
-                                    f"prev_token_ids has that row (it has {m})")
+                if n != 1 or not 0 <= s.prev_row < m:
+                    raise StepError(f"seq {s.seq_id}: prev_row {s.prev_row} needs a decode row (one token) in a "
+                                    f"step whose prev_token_ids has that row (it has {m}, {n} tokens)")
 
-    def feed_device_ids(self, token_ids: torch.Tensor, step: StepBatch) -> None:
+    def feed_device_ids(self, token_ids: torch.Tensor, step: StepBatch, offsets: list[int] | None = None) -> None:
         """Rows whose token is the previous step's sampled id get it on the device (token_ids:
-        the step's uploaded ids, row i = step.seqs[i] in a decode step): one small index upload
-        and a gather, no host round trip."""
-        pairs = [(i, s.prev_row) for i, s in enumerate(step.seqs) if s.prev_row is not None]
+        the step's uploaded ids; the token of step.seqs[i] is row offsets[i], default i as in a
+        decode step): one small index upload and a gather, no host round trip."""
+        pairs = [(i if offsets is None else offsets[i], s.prev_row) for i, s in enumerate(step.seqs)
+                 if s.prev_row is not None]
         if not pairs:
             return
         dst, src = self.upload(torch.tensor(pairs, dtype=torch.int64).T.contiguous())
         token_ids.index_copy_(0, dst, step.prev_token_ids.index_select(0, src))
 
     def build_inputs(self, step: StepBatch) -> StepInputs:
+        """The step's device inputs, built on the host with vectorised numpy and TWO uploads
+        whatever the number of sequences (every int64 field packed into one buffer, every int32
+        one into another; the device tensors are views of them): the torch ops and uploads of a
+        prefill of 40 small crops are those of a prefill of two. The per-sequence work left is
+        Python bookkeeping (lengths, each block table row written into the packed buffer)."""
         self._check(step)
-        bs = self.block_size
-        ids: list[int] = []
-        slots, pos_parts, logits_rows = [], [], []
-        img_embeds, img_rows = [], []
-        qlens = [len(s.token_ids) for s in step.seqs]
-        starts = [s.start_pos for s in step.seqs]
-        max_blocks = max((st + n + bs - 1) // bs for st, n in zip(starts, qlens))
-        tables = torch.zeros(len(step.seqs), max_blocks, dtype=torch.int32)
-        off = 0
-        for i, s in enumerate(step.seqs):
-            n = len(s.token_ids)
-            nblk = (s.start_pos + n + bs - 1) // bs
-            bt = torch.as_tensor(s.block_table[:nblk], dtype=torch.int64)
-            tables[i, :nblk] = bt.to(torch.int32)
-            p = torch.arange(s.start_pos, s.start_pos + n)
-            slots.append(bt[p // bs] * bs + p % bs)
-            ids.extend(s.token_ids)
-            if step.is_prefill:
-                if s.rope_positions is not None:
-                    pos_parts.append(s.rope_positions.to(torch.int64))
-                else:
-                    pos_parts.append((p + s.rope_delta).expand(self.position_rows, -1))
-            else:
-                pos_parts.append(p + s.rope_delta)
-            if s.image_embeds is not None:
-                rows = [off + j for j, t in enumerate(s.token_ids) if t == self.image_token_id]
-                if len(rows) != s.image_embeds.shape[0]:
-                    raise StepError(f"seq {s.seq_id}: {len(rows)} image placeholder tokens in this chunk but "
-                                    f"{s.image_embeds.shape[0]} image embedding rows")
-                img_rows.extend(rows)
-                img_embeds.append(s.image_embeds)
-            if s.need_logits:
-                logits_rows.append(off + n - 1)
-            off += n
-        positions = torch.cat(pos_parts, 1 if step.is_prefill else 0)
+        bs, seqs, prefill = self.block_size, step.seqs, step.is_prefill
+        b = len(seqs)
+        qlens = [len(s.token_ids) for s in seqs]
+        starts = [s.start_pos for s in seqs]
         ctx = [st + n for st, n in zip(starts, qlens)]
-        cu = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.as_tensor(qlens, dtype=torch.int32), 0)
+        nblks = [(c + bs - 1) // bs for c in ctx]
+        max_blocks = max(nblks)
+        t = sum(qlens)
+        cu = np.zeros(b + 1, np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        seq_of = np.repeat(np.arange(b), qlens)                   # token -> its row of the batch
+        pos = np.arange(t) - cu[:-1][seq_of] + np.asarray(starts)[seq_of]      # each token's KV position
+        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64, t)
+        emb = [s.image_embeds for s in seqs if s.image_embeds is not None]
+        img_rows = np.empty(0, np.int64)
+        if emb:
+            has = np.fromiter((s.image_embeds is not None for s in seqs), bool, b)
+            img_rows = np.flatnonzero((ids == self.image_token_id) & has[seq_of])
+            found = np.bincount(seq_of[img_rows], minlength=b)
+            for i in np.flatnonzero(has):
+                if found[i] != seqs[i].image_embeds.shape[0]:
+                    raise StepError(f"seq {seqs[i].seq_id}: {found[i]} image placeholder tokens in this chunk but "
+                                    f"{seqs[i].image_embeds.shape[0]} image embedding rows")
+        need = np.fromiter((s.need_logits for s in seqs), bool, b)
+        logits_rows = cu[1:][need] - 1
+        p_rows = self.position_rows if prefill else 1
+        # the int64 buffer: ids | positions [P, T] | slots | image rows | logits rows
+        n64 = t * (2 + p_rows) + img_rows.size + logits_rows.size
+        h64 = np.empty(n64, np.int64)
+        h_ids, h_pos = h64[:t], h64[t:t * (1 + p_rows)].reshape(p_rows, t)
+        h_slots = h64[t * (1 + p_rows):t * (2 + p_rows)]
+        h_ids[:] = ids
+        deltas = np.fromiter((s.rope_delta for s in seqs), np.int64, b)
+        h_pos[:] = pos + deltas[seq_of]                # decode rows, and prefill rows without positions
+        given = [s.rope_positions for s in seqs if s.rope_positions is not None] if prefill else ()
+        if given:       # the family's positions, scattered to their sequences' columns at once
+            has_pos = np.fromiter((s.rope_positions is not None for s in seqs), bool, b)
+            h_pos[:, np.flatnonzero(has_pos[seq_of])] = (given[0] if len(given) == 1 else torch.cat(given, 1)).numpy()
+        # the int32 buffer: block tables [B, max_blocks] (rows padded with block 0) | ctx | cu |
+        # a mixed step's prefill chunks' own cu (from 0)
+        d_rows = step.num_decode_rows if prefill and 0 < step.num_decode_rows < b else 0
+        n32 = b * max_blocks + 2 * b + 1
+        h32 = np.zeros(n32 + (b - d_rows + 1 if d_rows else 0), np.int32)
+        tables = h32[:b * max_blocks].reshape(b, max_blocks)
+        for i, s in enumerate(seqs):
+            tables[i, :nblks[i]] = s.block_table[:nblks[i]]
+        h_slots[:] = tables[seq_of, pos // bs].astype(np.int64) * bs + pos % bs
+        k = t * (2 + p_rows)
+        h64[k:k + img_rows.size] = img_rows
+        h64[k + img_rows.size:] = logits_rows
+        h32[b * max_blocks:b * max_blocks + b] = ctx
+        h32[b * max_blocks + b:n32] = cu
+        if d_rows:
+            h32[n32:] = cu[d_rows:] - d_rows          # each decode row is one token
+        d64 = self.upload(torch.from_numpy(h64))
+        d32 = self.upload(torch.from_numpy(h32))
+        token_ids = d64[:t]
+        positions = d64[t:t * (1 + p_rows)].view(p_rows, t) if prefill else d64[t:2 * t]
+        d_tables, d_ctx, d_slots = d32[:b * max_blocks].view(b, max_blocks), d32[b * max_blocks:b * max_blocks + b], \
+            d64[t * (1 + p_rows):k]
         meta = PagedStepMeta(
-            is_prefill=step.is_prefill, slot_mapping=self.upload(torch.cat(slots)), block_tables=self.upload(tables),
-            context_lens=self.upload(torch.as_tensor(ctx, dtype=torch.int32)), query_lens=qlens, start_pos=starts,
-            block_size=bs, cu_query=self.upload(cu), max_query_len=max(qlens), max_context_len=max(ctx))
+            is_prefill=prefill, slot_mapping=d_slots, block_tables=d_tables, context_lens=d_ctx, query_lens=qlens,
+            start_pos=starts, block_size=bs, cu_query=d32[b * max_blocks + b:n32], max_query_len=max(qlens),
+            max_context_len=max(ctx))
+        if d_rows:      # the decode rows through the decode kernel, the chunks through the prefill one
+            meta.mixed = (
+                PagedStepMeta(False, d_slots[:d_rows], d_tables[:d_rows], d_ctx[:d_rows], qlens[:d_rows],
+                              starts[:d_rows], bs, max_context_len=max(ctx[:d_rows])),
+                PagedStepMeta(True, d_slots[d_rows:], d_tables[d_rows:], d_ctx[d_rows:], qlens[d_rows:], starts[d_rows:],
+                              bs, cu_query=d32[n32:], max_query_len=max(qlens[d_rows:]),
+                              max_context_len=max(ctx[d_rows:])))
         embeds = None
-        if img_embeds:
-            embeds = torch.cat([e.to(self.device, non_blocking=True) for e in img_embeds])
-        token_ids = self.upload(torch.as_tensor(ids, dtype=torch.int64))
-        if not step.is_prefill:
+        if emb:         # the encoder's rows (on the device already in the engine): one cat, one move
+            embeds = (emb[0] if len(emb) == 1 else torch.cat(emb)).to(self.device, non_blocking=True)
+        if not prefill:
             self.feed_device_ids(token_ids, step)
-        return StepInputs(token_ids, self.upload(positions), embeds,
-                          self.upload(torch.as_tensor(img_rows, dtype=torch.int64)) if img_rows else None,
-                          self.upload(torch.as_tensor(logits_rows, dtype=torch.int64)), meta)
+        elif step.prev_token_ids is not None:       # a mixed step's decode rows
+            self.feed_device_ids(token_ids, step, cu.tolist())
+        return StepInputs(token_ids, positions, embeds, d64[k:k + img_rows.size] if img_rows.size else None,
+                          d64[k + img_rows.size:], meta)
 
     # ---------------------------------------------------------------- forward
     def attention(self, meta: PagedStepMeta) -> "PagedAttention":
@@ -197,7 +238,8 @@ class PagedAttention:
 
     def __init__(self, runner: TextStepRunner, meta: PagedStepMeta):
         self.kv, self.meta, self.scale = runner.kv, meta, runner.scale
-        self.fn = runner.backend.prefill if meta.is_prefill else runner.backend.decode
+        self.backend = runner.backend
+        self.fn = self._mixed if meta.mixed else runner.backend.prefill if meta.is_prefill else runner.backend.decode
         c = runner.model.cfg
         self.heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 
@@ -211,6 +253,14 @@ class PagedAttention:
 
     def attend_cached(self, layer: int, q):
         return self.fn(q, self.kv.k[layer], self.kv.v[layer], self.meta, self.scale)
+
+    def _mixed(self, q, kc, vc, meta: PagedStepMeta, scale: float):
+        """A mixed step: its leading decode rows (one token each) by the decode kernel, which
+        batches them (the prefill kernel would give each a block of query rows, the CPU's a call
+        per row), the chunks after them by the prefill kernel."""
+        dec, pre = meta.mixed
+        n = dec.num_seqs
+        return torch.cat([self.backend.decode(q[:n], kc, vc, dec, scale), self.backend.prefill(q[n:], kc, vc, pre, scale)])
 
 
 class DecodeGraphs:

@@ -44,6 +44,9 @@ class TorchRunner(DeviceRunner):
     #: execute() reads a decode row's token from StepBatch.prev_token_ids on the device (eager
     #: and decode graphs: TextStepRunner.feed_device_ids), so the engine may overlap its steps
     takes_device_token_ids: ClassVar[bool] = True
+    #: execute() takes decode rows (one token, no rope_positions) in a prefill StepBatch through
+    #: the paged prefill path (mixed steps: engine/scheduler.py)
+    takes_mixed_steps: ClassVar[bool] = True
 
     # ------------------------------------------------------------ hooks
     @classmethod

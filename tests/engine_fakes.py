@@ -6,7 +6,8 @@ chunk boundary, rope position or image row changes the tokens. Its logits are a 
 of the sequence's content, so batching, chunking and preemption must not change greedy tokens.
 It takes device-resident input ids as the real runner does (a decode row with a prev_row reads
 StepBatch.prev_token_ids; on the CPU those are plain tensors), so the engine overlaps its steps
-on it unless a test turns async scheduling off.
+on it unless a test turns async scheduling off. It takes mixed steps (decode rows in a prefill
+step) too.
 
 The fake prompt builder speaks the family contract of engine/sequence.py: positions [P, n] with
 P = position_rows (3: mrope-like, 1: 1D rope with rope_delta 0), one placeholder per 2x2
@@ -95,6 +96,7 @@ class FakePromptBuilder:
 class FakeRunner:
     device = torch.device("cpu")
     takes_device_token_ids = True
+    takes_mixed_steps = True             # decode rows in a prefill step (rope_positions None)
 
     def __init__(self, vocab: int = 64, block_size: int = 4, position_rows: int = 3):
         self.vocab, self.block_size, self.position_rows = vocab, block_size, position_rows

@@ -1,8 +1,8 @@
 """The device-id path of a decode step (runs on any CPU, the graphs through the recording device
 API of tests/test_device_api.py): rows whose token is the previous step's sampled id take it from
 StepBatch.prev_token_ids on the device — into the eager step's ids and into the captured graphs'
-persistent id buffer, after the host staging's upload — and the logits equal those of the same
-step built from host ids. The mutation (the copy skipped: the host's placeholder fed) is seen."""
+persistent id buffer, after the host staging's upload; a mixed step's decode rows at their
+offsets of the flat prefill batch — and the logits equal those of the same step built from host ids. The mutation (the copy skipped: the host's placeholder fed) is seen."""
 from __future__ import annotations
 
 import pytest
@@ -76,8 +76,25 @@ def test_a_device_row_needs_a_decode_step_with_that_row(graphs):
     with pytest.raises(StepError, match="it has 0"):
         r.execute(bad)
     prefill = StepBatch(True, [SeqStep(0, [5, 6], 0, [3], None, prev_row=0)], PREV)
-    with pytest.raises(StepError, match="needs a decode step"):
+    with pytest.raises(StepError, match="needs a decode row"):
         r.build_inputs(prefill)
+
+
+def test_a_mixed_steps_decode_rows_read_the_device_ids_at_their_offsets(graphs):
+    """A prefill step carrying decode rows (mixed steps): each device row's id lands at its own
+    token's offset of the flat batch, and the logits equal the same step built from host ids."""
+    r, _ = graphs
+    kv = (r.kv.k.clone(), r.kv.v.clone())
+
+    def mixed(device_rows: bool) -> StepBatch:
+        chunk = SeqStep(7, [8, 3, 4], 0, [6], None)
+        rows = _step(device_rows).seqs
+        return StepBatch(True, [rows[0], chunk, rows[1], rows[2]], PREV.clone() if device_rows else None)
+    ref = r.forward(r.build_inputs(mixed(False)))
+    _fresh_kv(r, kv)
+    inp = r.build_inputs(mixed(True))
+    assert inp.token_ids.tolist() == [5, 8, 3, 4, 9, 11]
+    torch.testing.assert_close(r.forward(inp), ref)
 
 
 # ------------------------------------------------------------------ the host read, one step late

@@ -195,7 +195,10 @@ def test_one_row_positions_through_chunks_and_preemption():
     indices, output tokens re-fed after a preemption included, and greedy tokens do not change."""
     reqs = [two_image_prompt(i) for i in range(3)]
     ref = [run_all(one_d_engine(num_kv_blocks=512)[1], [r])[0].token_ids for r in reqs]
-    runner, eng = one_d_engine(num_kv_blocks=26, enable_max_prefill=False, max_num_batched_tokens=9)
+    # prefill and decode steps apart: in this pool that schedule preempts requests that already
+    # have output tokens (with mixed steps the same pool preempts them before their first)
+    runner, eng = one_d_engine(num_kv_blocks=26, enable_max_prefill=False, max_num_batched_tokens=9,
+                               mixed_steps=False)
     outs = run_all(eng, reqs)
     assert [o.token_ids for o in outs] == ref
     assert eng.scheduler.num_preemptions > 0
@@ -203,13 +206,13 @@ def test_one_row_positions_through_chunks_and_preemption():
     refed = False
     for st in runner.steps:
         for s in st.seqs:
-            if st.is_prefill:
+            if st.is_prefill and s.rope_positions is not None:
                 n = len(s.token_ids)
                 assert s.rope_positions.shape == (1, n)
                 assert s.rope_positions[0].tolist() == list(range(s.start_pos, s.start_pos + n))
                 refed |= s.start_pos + n > prompt_len[s.seq_id]        # output tokens re-fed
-            else:
-                assert s.rope_positions is None and s.rope_delta == 0
+            else:       # a decode row (of a decode step or a mixed step): one token at start_pos
+                assert s.rope_positions is None and s.rope_delta == 0 and len(s.token_ids) == 1
     assert refed, "no preempted sequence re-fed its output tokens"
 
 

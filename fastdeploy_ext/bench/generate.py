@@ -18,7 +18,11 @@ Workloads (greedy, ignore_eos, "OCR:"):
   where its generate takes one length per batch);
 - lines512: 512 of the lines workload's crops x 32 tokens (the reference as for lines256).
 All requests of a workload are submitted at once. Each workload also reports its steps by kind
-(prefill / decode: count, total and median wall time) and, with --profile, the device-active
+(prefill / decode: count, total and median wall time; prefill steps that also advanced running
+requests counted as mixed) and, with --itl, the inter-token gaps of running requests from a
+re-run with every request streamed (p50 / p99 / max, and apart those that span a prefill step:
+what a newcomer's vision pass and prefill cost the requests already decoding), and, with
+--profile, the device-active
 fraction of a second, profiled run (the union of the device's kernel intervals from
 torch.profiler over that run's wall time; n/a where the device API has no profiler activity).
 Also reported: GPU busy % (the backend's utilization reader sampled through each of our runs), peak device
@@ -66,6 +70,7 @@ class GenerateBenchOptions:
     lines512: int = 512
     lines512_tokens: int = 32
     profile: bool = False
+    itl: bool = False                   # a streamed re-run for the inter-token gaps (not page1)
     ref_batch: int = 32
     reference: bool = True
     json_out: str | None = None
@@ -89,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lines512-tokens", type=int, default=32)
     g.add_argument("--profile", action="store_true",
                    help="blocks / lines512: a second, profiled run for the device-active fraction")
+    g.add_argument("--itl", action="store_true",
+                   help="pages64 / lines256 / blocks / lines512: a re-run with every request streamed, reporting "
+                        "the inter-token gaps of running requests (those spanning a prefill step apart)")
     g.add_argument("--ref-batch", type=int, default=32, help="the reference's batch (a subset of the pages/lines)")
     g.add_argument("--no-reference", action="store_true", help="skip transformers")
     g.add_argument("--json-out", default=None)
@@ -107,6 +115,7 @@ def options_from_args(ns, on_cpu: bool) -> GenerateBenchOptions:
                                 lines=ns.lines or (16 if on_cpu else 256), line_tokens=ns.line_tokens,
                                 crops_per_page=ns.crops_per_page, block_token_scale=ns.block_token_scale,
                                 lines512=ns.lines512, lines512_tokens=ns.lines512_tokens, profile=ns.profile,
+                                itl=getattr(ns, "itl", False),
                                 ref_batch=ns.ref_batch, reference=not ns.no_reference, json_out=ns.json_out)
 
 
@@ -243,6 +252,34 @@ def step_summary(times: list[float]) -> dict:
     return {"count": len(times), "total_s": sum(times), "median_s": statistics.median(times) if times else None}
 
 
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def gap_summary(gaps: list[float]) -> dict:
+    if not gaps:
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    g = sorted(gaps)
+    return {"count": len(g), "p50_ms": _quantile(g, 0.5) * 1e3, "p99_ms": _quantile(g, 0.99) * 1e3,
+            "max_ms": g[-1] * 1e3}
+
+
+def inter_token_gaps(token_times: dict[str, list[float]], prefill_ends: list[float]) -> dict:
+    """Gaps between consecutive token arrivals on the host, per request, over all requests: all
+    of them, and those during which a prefill step ended (a newcomer's vision pass and prefill
+    ran between the two tokens, or, with mixed steps, produced the second)."""
+    import bisect
+    ends = sorted(prefill_ends)
+    every, spanning = [], []
+    for times in token_times.values():
+        for a, b in zip(times, times[1:]):
+            every.append(b - a)
+            i = bisect.bisect_right(ends, a)
+            if i < len(ends) and ends[i] <= b:
+                spanning.append(b - a)
+    return {"all": gap_summary(every), "spanning_prefill": gap_summary(spanning)}
+
+
 # ------------------------------------------------------------------ measuring
 class GpuBusySampler:
     """Mean device utilization (% of time a kernel ran, per sample of the vendor's management
@@ -291,11 +328,12 @@ def run_ours(engine: LLMEngine, images: list[bytes], prompt: str, tokens: int) -
     return run_requests(engine, [BenchRequest(png, prompt, tokens) for png in images])
 
 
-def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool = False) -> dict:
+def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool = False, itl: bool = False) -> dict:
     """All requests submitted at once (preprocessing in the pool); wall time to the last token,
     first-token time of the earliest request, token ids per request, the steps by kind, and where
     the wall time went (see `_stages`). ``profile``: the run under torch.profiler with the device
-    API's activity, for the device-active fraction."""
+    API's activity, for the device-active fraction. ``itl``: every request streamed, the time
+    each token reached the host recorded (``inter_token_gaps``)."""
     api = device_api_for(getattr(engine.runner, "device", "cpu"))
     api.synchronize()
     _reset_peak(api)
@@ -305,6 +343,8 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
     steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
     step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    token_times: dict[str, list[float]] = {}
+    prefill_ends: list[float] = []
     prof = _profiler(api) if profile else None
     from tqdm.auto import tqdm
     # finished requests on stderr (a multi-minute CPU run is not silent); updated only when a
@@ -313,7 +353,7 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
     with bar, GpuBusySampler(getattr(engine.runner, "utilization_reader", lambda: None)()) as gpu, \
             (prof if prof is not None else _nothing()):
         t0, t0_epoch = time.perf_counter(), time.time()
-        futures = [engine.submit(rid, r.engine_prompt(), bench_params(r.tokens), stream=len(requests) == 1,
+        futures = [engine.submit(rid, r.engine_prompt(), bench_params(r.tokens), stream=itl or len(requests) == 1,
                                  priority=r.priority) for rid, r in zip(ids, requests)]
         while engine.has_unfinished():
             ts = time.perf_counter()
@@ -328,6 +368,12 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
                 step_s[kind] += dt
                 step_times[kind].append(dt)
                 steps_done = now
+                if itl and kind == "prefill":
+                    prefill_ends.append(ts + dt)
+            if itl:
+                for o in outs:
+                    if o.delta_token_ids:
+                        token_times.setdefault(o.request_id, []).append(ts + dt)
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o
@@ -345,10 +391,13 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
            "output_tokens": n_out, "requests_per_s": len(requests) / wall, "output_tokens_per_s": n_out / wall,
            "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(api),
            "steps": {k: step_summary(v) for k, v in step_times.items()},
+           "mixed_steps": engine.stats().num_mixed_steps - before.num_mixed_steps,
            "stages": _stages(before, engine.stats(), step_s, wall),
            "token_ids": [done[r].token_ids for r in ids],
            "first_scheduled_s": [done[r].metrics.first_scheduled - t0_epoch for r in ids],
            "kv_blocks_used_after": engine.block_manager.num_used}
+    if itl:
+        res["inter_token_gaps"] = inter_token_gaps(token_times, prefill_ends)
     if prof is not None:
         res["device_active_s"] = device_active_s(prof)
         res["device_active_fraction"] = res["device_active_s"] / wall
@@ -396,6 +445,15 @@ def stages_line(st: dict) -> str:
     return (f"    stages: prefill {st['prefill_s']:.2f} s / {st['prefill_steps']} steps "
             f"({st['vision_passes']} vision passes) | decode {st['decode_s']:.2f} s / {st['decode_steps']} steps "
             f"| other {st['other_s']:.2f} s | preprocessing {st['preprocess_cpu_s']:.2f} s of worker CPU (overlapped)")
+
+
+def gaps_line(gaps: dict, mixed: bool) -> str:
+    def one(g):
+        if not g["count"]:
+            return "none"
+        return f"{g['count']} gaps, p50 {g['p50_ms']:.1f} ms, p99 {g['p99_ms']:.1f} ms, max {g['max_ms']:.1f} ms"
+    return (f"    inter-token gaps (streamed re-run, mixed steps {'on' if mixed else 'off'}): all {one(gaps['all'])} "
+            f"| spanning a prefill step {one(gaps['spanning_prefill'])}")
 
 
 def steps_line(steps: dict) -> str:
@@ -519,6 +577,7 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
             ours.pop("first_scheduled_s")
             if wl in NEW_WORKLOADS:
                 _profiled(engine, reqs, ours, opts)
+            _gaps(engine, reqs, ours, opts)
             res = {"ours": ours}
             if ref:
                 sub = imgs[:opts.ref_batch]
@@ -553,6 +612,16 @@ def _profiled(engine: LLMEngine, reqs: list[BenchRequest], ours: dict, opts: Gen
                               f"{run['wall_s']:.2f} s wall (union of device kernel intervals, torch.profiler)")
 
 
+def _gaps(engine: LLMEngine, reqs: list[BenchRequest], ours: dict, opts: GenerateBenchOptions) -> None:
+    """--itl: the same requests again, every one streamed; the inter-token gaps of that run
+    (streaming adds an output per request per step: the headline figures are the first run's)."""
+    if not opts.itl:
+        return
+    run = run_requests(engine, reqs, itl=True)
+    ours.update(inter_token_gaps=run["inter_token_gaps"], itl_wall_s=run["wall_s"],
+                mixed_steps_enabled=bool(engine.mixed_steps.value))
+
+
 def _blocks(engine: LLMEngine, opts: GenerateBenchOptions, pixel_kwargs: dict | None, pixels_source: str) -> dict:
     reqs = block_requests(opts.pages, opts.crops_per_page, opts.block_token_scale, pixel_kwargs)
     ours = run_requests(engine, reqs)
@@ -570,6 +639,7 @@ def _blocks(engine: LLMEngine, opts: GenerateBenchOptions, pixel_kwargs: dict | 
                 priority="table -2, paragraph -1, title/formula/caption 0: lower is scheduled first, so the "
                          "long decodes start early")
     _profiled(engine, reqs, ours, opts)
+    _gaps(engine, reqs, ours, opts)
     return {"ours": ours, "reference": None,
             "reference_skipped": "not run for blocks: mixed prompts and output lengths per request (transformers' "
                                  "generate takes one length per batch)"}
@@ -614,7 +684,9 @@ def print_report(report: dict) -> None:
                                              for n, k in o["kinds"].items()))
             print(f"    reference: {r['reference_skipped']}")
         if o.get("steps"):
-            print(steps_line(o["steps"]))
+            print(steps_line(o["steps"]) + f" | mixed {o.get('mixed_steps', 0)} of the prefill steps")
+        if o.get("inter_token_gaps"):
+            print(gaps_line(o["inter_token_gaps"], o["mixed_steps_enabled"]))
         if o.get("stages"):
             print(stages_line(o["stages"]))
         if "device_active" in o:

@@ -13,6 +13,7 @@ from .errors import InvalidRequest
 from .scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MIXED_ENCODER_PATCHES = 16384
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -66,11 +67,16 @@ class EngineConfig:
                                                # async engine reports itself stuck
     async_scheduling: bool | None = None       # overlap step N+1's host work with step N (None: the row's default)
                                                # (LLMEngine decides with the runner: async_decision)
+    mixed_steps: bool | None = None            # running requests' decode rows in prefill steps (None: the
+                                               # row's default; LLMEngine decides: mixed_decision)
+    mixed_encoder_patches: int | None = None   # a mixed step's encoder budget (None: see mixed_encoder_budget)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_encoder_patches",
-                     "preprocess_workers"):
+                     "preprocess_workers", "mixed_encoder_patches"):
             v = getattr(self, name)
+            if v is None and name == "mixed_encoder_patches":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -121,6 +127,41 @@ class EngineConfig:
                                    "not yet verified on this device); --async-scheduling turns it on")
         return Decision(True, f"default{f' of row {row.name}' if row is not None else ''}: {how}")
 
+    def mixed_decision(self, runner) -> Decision:
+        """Mixed steps (scheduler.py): the running requests' decode rows in the steps that admit
+        new ones, so the newcomers' vision pass and prefill do not stall their next token.
+        --mixed-steps / --no-mixed-steps when given; otherwise the runner's capability row
+        (``mixed_steps.default``). Never on a runner that cannot take decode rows in a prefill
+        step (``takes_mixed_steps``)."""
+        how = ("running requests get their next token in the steps that prefill new ones (their inter-token gap "
+               "is one step, not a vision pass plus a prefill and then a decode)")
+        if self.mixed_steps is False:
+            return Decision(False, "--no-mixed-steps: a step that admits requests is a prefill only, running "
+                                   "requests wait for it")
+        if not getattr(runner, "takes_mixed_steps", False):
+            name = getattr(runner, "name", type(runner).__name__)
+            return Decision(False, f"the {name} runner cannot take decode rows in a prefill step "
+                                   "(takes_mixed_steps): prefill and decode steps apart")
+        if self.mixed_steps is True:
+            return Decision(True, f"--mixed-steps: {how}")
+        row = getattr(runner, "row", None)
+        if row is not None and not getattr(row, "mixed_steps_default", True):
+            return Decision(False, f"row {row.name}: mixed_steps.default is false (decode rows through the prefill "
+                                   "kernels not yet measured on this device); --mixed-steps turns it on")
+        return Decision(True, f"default{f' of row {row.name}' if row is not None else ''}: {how}")
+
+    def mixed_encoder_budget(self) -> Decision:
+        """A mixed step's encoder budget (family cost units, patches for PaddleOCR-VL): its decode
+        rows wait for its vision pass, so it is kept to what runs in ~25 ms on the H200 (16 layout
+        blocks, ~16k patches: docs/PERFORMANCE.md) unless set; never above --max-encoder-patches."""
+        if self.mixed_encoder_patches is not None:
+            value = min(self.mixed_encoder_patches, self.max_encoder_patches)
+            return Decision(value, "--mixed-encoder-patches" + (" (capped at --max-encoder-patches)"
+                                                                if value < self.mixed_encoder_patches else ""))
+        value = min(DEFAULT_MIXED_ENCODER_PATCHES, self.max_encoder_patches)
+        return Decision(value, f"default: min({DEFAULT_MIXED_ENCODER_PATCHES}, --max-encoder-patches): a mixed "
+                               "step's vision pass stays short, the running requests' tokens wait for it")
+
     def encoder_cache_rows(self) -> Decision:
         """Embedding rows of the encoder cache. Default max(--max-num-batched-tokens,
         --max-model-len): a step's placeholder tokens never exceed it, so the cache never delays
@@ -137,10 +178,11 @@ class EngineConfig:
                                                 f"--max-model-len: max prefill holds a whole prompt's items at once")
         return Decision(self.encoder_cache_size, "--encoder-cache-size")
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, mixed_steps: bool = False) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_encoder_cost=self.max_encoder_patches,
-                               enable_max_prefill=bool(self.max_prefill().value))
+                               enable_max_prefill=bool(self.max_prefill().value), mixed_steps=mixed_steps,
+                               mixed_encoder_cost=self.mixed_encoder_budget().value)
 
 
 __all__ = ["EngineConfig", "InvalidRequest", "parse_bytes", "parse_limit_mm"]

@@ -30,6 +30,13 @@ a request in flight end it at once and drop its in-flight token the same way. A 
 repetition_penalty request waits for step N's ids first (the penalty reads the history on the
 host). Off (--no-async-scheduling), every step reads its own ids before returning: the same
 code, resolved at once.
+
+Mixed steps (EngineConfig.mixed_steps, the engine's Decision logged at start): a step that
+admits or continues prefills also carries one decode row per running request (scheduler.py),
+so those requests get a token in every step instead of waiting for the newcomers' vision pass
+and prefill. The runner takes the decode rows as 1-token chunks of its prefill path
+(``takes_mixed_steps``); their token may be the step in flight's sampled id on the device, as in
+a decode step.
 """
 from __future__ import annotations
 
@@ -95,6 +102,9 @@ class EngineStats:
     async_scheduling: bool = False     # steps overlap (the engine's Decision)
     num_sync_steps: int = 0            # steps that waited for the previous step's ids (async on:
                                        # a repetition_penalty request in them)
+    mixed_steps: bool = False          # decode rows ride in prefill steps (the engine's Decision)
+    num_mixed_steps: int = 0           # prefill steps that also advanced running requests
+    mixed_decode_rows: int = 0         # decode rows run in those steps
 
 
 @dataclass
@@ -119,6 +129,12 @@ class LLMEngine:
         self.async_scheduling = config.async_decision(runner)
         log.info("async scheduling: %s (%s)", "on" if self.async_scheduling.value else "off",
                  self.async_scheduling.reason)
+        self.mixed_steps = config.mixed_decision(runner)
+        log.info("mixed steps: %s (%s)", "on" if self.mixed_steps.value else "off", self.mixed_steps.reason)
+        if self.mixed_steps.value:
+            self.mixed_encoder_budget = config.mixed_encoder_budget()
+            log.info("mixed steps' encoder budget: %d (%s)", self.mixed_encoder_budget.value,
+                     self.mixed_encoder_budget.reason)
         self._inflight: InFlight | None = None
         spec = runner.kv_cache_spec()
         num_blocks = self._size_kv_pool(spec)
@@ -141,7 +157,7 @@ class LLMEngine:
         log.info("encoder cache: %d embedding rows (%s)%s", rows.value, rows.reason,
                  "; an item of more rows is refused" if rows.value < config.max_model_len - 1 else "")
         self.encoder_cache_decision = rows
-        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager, self.encoder_cache)
+        self.scheduler = Scheduler(config.scheduler_config(bool(self.mixed_steps.value)), self.block_manager, self.encoder_cache)
         self.input_processor = input_processor or self._create_input_processor(runner, config)
         builder = self.input_processor.builder
         self.eos_token_ids = tuple(builder.eos_token_ids)
@@ -158,7 +174,7 @@ class LLMEngine:
         self._sent: dict[int, int] = {}            # seq_id -> output tokens already reported
         self._abort_pending: set[str] = set()
         self._counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, num_finished=0, num_aborted=0,
-                              num_failed=0, num_sync_steps=0,
+                              num_failed=0, num_sync_steps=0, num_mixed_steps=0, mixed_decode_rows=0,
                               prompt_tokens=0, generation_tokens=0, preprocess_s=0.0, vision_s=0.0, vision_passes=0)
 
     # ------------------------------------------------------------------ construction
@@ -383,6 +399,10 @@ class LLMEngine:
         c = self._counters
         c["num_steps"] += 1
         c["num_prefill_steps" if sched.is_prefill else "num_decode_steps"] += 1
+        mixed = sched.num_decode_rows
+        if mixed:
+            c["num_mixed_steps"] += 1
+            c["mixed_decode_rows"] += mixed
         slots = []
         for s in rows:             # the sampled token's place, known before its value
             slots.append((s.seq, s.seq.num_tokens))
@@ -504,31 +524,43 @@ class LLMEngine:
             return None
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
+    @staticmethod
+    def _decode_steps(scheduled, prev: InFlight | None) -> tuple[list[SeqStep], bool]:
+        """The decode rows' SeqSteps (a decode step's, or a mixed step's first rows) and whether
+        one reads its token from the step in flight on the device."""
+        steps, from_device = [], False
+        for s in scheduled:
+            seq = s.seq
+            tok = seq.token_ids[-1]
+            row = None
+            if tok == UNRESOLVED_TOKEN:           # sampled by the step in flight: read on the device
+                row = prev.row_of.get(seq.seq_id) if prev is not None else None
+                if row is None:
+                    raise RuntimeError(f"{seq}: its last token is not known on the host and not in the step "
+                                       "in flight")
+                from_device = True
+            steps.append(SeqStep(seq.seq_id, [tok], s.start, seq.block_table, None, seq.prompt.rope_delta,
+                                 prev_row=row))
+        return steps, from_device
+
     def _build_batch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> StepBatch:
         if not sched.is_prefill:
-            steps, from_device = [], False
-            for s in sched.scheduled:
-                seq = s.seq
-                tok = seq.token_ids[-1]
-                row = None
-                if tok == UNRESOLVED_TOKEN:           # sampled by the step in flight: read on the device
-                    row = prev.row_of.get(seq.seq_id) if prev is not None else None
-                    if row is None:
-                        raise RuntimeError(f"{seq}: its last token is not known on the host and not in the step "
-                                           "in flight")
-                    from_device = True
-                steps.append(SeqStep(seq.seq_id, [tok], s.start, seq.block_table, None, seq.prompt.rope_delta,
-                                     prev_row=row))
+            steps, from_device = self._decode_steps(sched.scheduled, prev)
             return StepBatch(False, steps, prev.sample.token_ids if from_device else None)
-        work = [(s.seq, list(s.encode)) for s in sched.scheduled if s.encode]
+        # a mixed step's decode rows come first (scheduler.py), in the order their logits rows are sampled
+        n_dec = sched.num_decode_rows
+        steps, from_device = self._decode_steps(sched.scheduled[:n_dec], prev) if n_dec else ([], False)
+        chunks = sched.scheduled[n_dec:]
+        if any(s.decode for s in chunks):
+            raise RuntimeError("a mixed step's decode rows must precede its prefill chunks")
+        work = [(s.seq, list(s.encode)) for s in chunks if s.encode]
         if work:
             if self.max_prefill.value:
                 self._encode(work)                      # one packed pass for the whole step
             else:
                 for w in work:                          # per request: the items its chunk reaches first
                     self._encode([w])
-        steps = []
-        for s in sched.scheduled:
+        for s in chunks:
             seq = s.seq
             if seq.token_ids[s.end - 1] == UNRESOLVED_TOKEN:
                 # placeholders sit at the tail and a preempted sequence is re-admitted only after
@@ -538,7 +570,7 @@ class LLMEngine:
             steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
                                  seq.positions(s.start, s.end), seq.prompt.rope_delta,
                                  self._embeds(seq, s.start, s.end), need_logits=s.completes_prefill))
-        return StepBatch(True, steps)
+        return StepBatch(True, steps, prev.sample.token_ids if from_device else None, num_decode_rows=n_dec)
 
     # ------------------------------------------------------------------ observability
     @property
@@ -565,7 +597,8 @@ class LLMEngine:
                            encoder_cache_rows_total=ec.capacity_rows, encoder_cache_rows_used=ec.used_rows,
                            encoder_cache_items=ec.num_items, encoder_items_encoded=ec.num_encoded,
                            encoder_items_evicted=ec.num_evicted,
-                           async_scheduling=bool(self.async_scheduling.value), **c)
+                           async_scheduling=bool(self.async_scheduling.value),
+                           mixed_steps=bool(self.mixed_steps.value), **c)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -31,6 +31,21 @@ In both modes the step's tokens stay within max_num_batched_tokens and its encod
 max_encoder_cost, except that the first request of a step is always admitted whole in max
 prefill mode (a prompt longer than the budget must still run). The encoder cache is never
 over-committed: an item is reserved there when the step that encodes it is scheduled.
+
+Mixed steps (SchedulerConfig.mixed_steps): without them a step that admits requests is a
+prefill step only, so every running request waits for the newcomers' vision pass and prefill
+before its next token (a 150 ms gap between two tokens on the H200 for a step of ~21 crops).
+With them, the decode rows of the running requests are scheduled first (key order, blocks
+allocated or victims preempted exactly as in a decode step) and ride in the same step as the
+prefill, under what is left of max_num_batched_tokens: running requests advance one token in
+every step. A mixed step's encoder work is bounded by ``mixed_encoder_cost`` (smaller than a
+prefill step's max_encoder_cost: the decode rows wait for the step, so its vision pass is kept
+short, and newcomers' images spread over more steps; the first admission may still exceed it,
+as in any step). The prefill part of a mixed step never preempts (a victim could be a decode row
+already scheduled in it): a chunk that needs blocks waits for a step with room, and a step whose
+decode rows preempted admits nothing (the livelock rule above). A step without decode rows is
+scheduled exactly as without mixed steps. In a mixed step the decode rows come first in
+``scheduled`` (``ScheduledSeq.decode``), then the prefill chunks.
 """
 from __future__ import annotations
 
@@ -113,6 +128,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 16384
     max_encoder_cost: int = 65536      # one step's encoder work, in the family's unit (--max-encoder-patches)
     enable_max_prefill: bool = True
+    mixed_steps: bool = False          # running requests' decode rows ride in prefill steps
+    mixed_encoder_cost: int | None = None   # a mixed step's encoder budget (None: max_encoder_cost)
 
 
 @dataclass
@@ -121,6 +138,7 @@ class ScheduledSeq:
     start: int              # tokens already in the cache
     num_tokens: int         # tokens run in this step
     encode: tuple[int, ...] = ()   # items encoded in this step (reserved in the encoder cache)
+    decode: bool = False           # a decode row (its one new token) in a mixed step
 
     @property
     def end(self) -> int:
@@ -134,8 +152,13 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    is_prefill: bool
+    is_prefill: bool               # True when any prompt chunk runs (a mixed step too)
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Decode rows of a mixed step (they come first in ``scheduled``)."""
+        return sum(s.decode for s in self.scheduled) if self.is_prefill else 0
 
     @property
     def num_tokens(self) -> int:
@@ -195,11 +218,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput | None:
+        if self.config.mixed_steps:
+            return self._schedule_mixed()
         out = self._schedule_prefill()
         if out.scheduled:
             return out
         out = self._schedule_decode()
         return out if out.scheduled else None
+
+    def _schedule_mixed(self) -> SchedulerOutput | None:
+        """Decode rows of the running requests first, then prefill under the budget they leave
+        (module docstring); no decode row: the step is scheduled as without mixed steps."""
+        before = self.num_preemptions
+        decode = self._schedule_decode(skip_prefilling=True)
+        if not decode.scheduled:
+            out = self._schedule_prefill()
+            if out.scheduled:
+                return out
+            out = self._schedule_decode()
+            return out if out.scheduled else None
+        if self.num_preemptions > before or not self.waiting and not any(s.in_prefill for s in self.running):
+            return decode
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - len(decode.scheduled)
+        cost = min(cfg.max_encoder_cost, cfg.mixed_encoder_cost or cfg.max_encoder_cost)
+        prefill = self._schedule_prefill(budget=budget, may_preempt=False, cost_budget=cost)
+        if not prefill.scheduled and cost < cfg.max_encoder_cost:
+            # nothing fit the mixed budget (a chunk's next item costs more): the full budget, else
+            # that item would wait for as long as anything decodes (nothing was reserved above)
+            prefill = self._schedule_prefill(budget=budget, may_preempt=False)
+        if not prefill.scheduled:
+            return decode
+        for s in decode.scheduled:
+            s.decode = True
+        return SchedulerOutput(True, decode.scheduled + prefill.scheduled)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -248,18 +300,26 @@ class Scheduler:
         for k in items:
             self.encoder_cache.reserve((seq.seq_id, k), seq.items[k].num_embeddings)
 
-    def _schedule_prefill(self) -> SchedulerOutput:
+    def _schedule_prefill(self, budget: int | None = None, may_preempt: bool = True,
+                          cost_budget: int | None = None) -> SchedulerOutput:
+        """``budget``: the step's tokens left (default max_num_batched_tokens); ``may_preempt``
+        False: a chunk that needs blocks the pool does not have waits; ``cost_budget``: the
+        step's encoder work (default max_encoder_cost); mixed steps pass both."""
         cfg = self.config
         out = SchedulerOutput(is_prefill=True)
-        budget = cfg.max_num_batched_tokens
-        cost_left = cfg.max_encoder_cost
+        budget = cfg.max_num_batched_tokens if budget is None else budget
+        cost_left = cfg.max_encoder_cost if cost_budget is None else cost_budget
         preemptions_before = self.num_preemptions
         # 1. chunked mode: running sequences whose prompt is only partly in the cache go first
         for seq in list(self.running):
             if not seq.in_prefill or budget <= 0 or seq not in self.running:
                 continue
             n, items, cost = self._encoder_work(seq, min(seq.num_pending_tokens, budget), cost_left)
-            if n == 0 or not self._make_room(seq, seq.num_computed_tokens + n):
+            if n == 0:
+                continue
+            if not may_preempt and not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+                continue
+            if not self._make_room(seq, seq.num_computed_tokens + n):
                 continue
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             self._reserve(seq, items)
@@ -299,12 +359,17 @@ class Scheduler:
             cost_left -= cost
         return out
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_decode(self, skip_prefilling: bool = False) -> SchedulerOutput:
+        """One token for each running request (``skip_prefilling``: not those whose prompt is
+        still being prefilled, a mixed step's prefill part schedules them)."""
         out = SchedulerOutput(is_prefill=False)
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         i = 0
         while i < len(self.running) and len(out.scheduled) < limit:     # key order: highest priority, oldest first
             seq = self.running[i]
+            if skip_prefilling and seq.in_prefill:
+                i += 1
+                continue
             # A new block only when the token crosses a block boundary (once per block_size
             # steps); otherwise nothing to allocate or preempt for.
             if not self.bm.covers(seq, seq.num_tokens):

@@ -8,6 +8,11 @@ still running) names its row in ``StepBatch.prev_token_ids``, the previous step'
 the device, and the runner copies it there on the device (``SeqStep.prev_row``). A runner that
 can do that says so with ``takes_device_token_ids = True``.
 
+Mixed steps: a prefill StepBatch may also carry decode rows (one token at ``start_pos``, no
+``rope_positions``: position ``start_pos + rope_delta`` on every row, ``prev_row`` allowed as in
+a decode step), run through the prefill path; a runner that can says so with
+``takes_mixed_steps = True``.
+
 Positions: a prefill's ``rope_positions`` is int64 ``[P, len(token_ids)]`` with ``P =
 family.position_rows`` (3 for PaddleOCR-VL's mrope rows t/h/w, 1 for a 1D rope); a decode token's
 position is ``start_pos + rope_delta`` on every row (``rope_delta`` is 0 for a 1D rope). Encoder
@@ -36,24 +41,28 @@ class SeqStep:
     block_table: list[int]               # the sequence's physical KV blocks, in order, covering
                                          # start_pos + len(token_ids) tokens
     rope_positions: torch.Tensor | None  # prefill: int64 [P, len(token_ids)] rope positions (host),
-                                         # P = family.position_rows; decode: None (position =
-                                         # start_pos + rope_delta on every row)
+                                         # P = family.position_rows; decode (or a mixed step's decode
+                                         # row): None (position = start_pos + rope_delta on every row)
     rope_delta: int = 0                  # max position + 1 - prompt length (transformers' rope_deltas;
                                          # 0 for a 1D rope)
     image_embeds: torch.Tensor | None = None  # [k, text_hidden] encoder rows for the k placeholder
                                          # tokens among token_ids, in order (device or host; the
                                          # runner moves them)
     need_logits: bool = True             # False for a prefill chunk that is not the prompt's last
-    prev_row: int | None = None          # decode: the token is prev_token_ids[prev_row] (device),
+    prev_row: int | None = None          # decode row: the token is prev_token_ids[prev_row] (device),
                                          # token_ids[0] only a placeholder (UNRESOLVED_TOKEN)
 
 
 @dataclass
 class StepBatch:
-    is_prefill: bool                     # a step is all-prefill or all-decode (nano-vllm's shape)
+    is_prefill: bool                     # a prefill step (it may carry decode rows: mixed steps) or a
+                                         # decode step (one token per sequence)
     seqs: list[SeqStep] = field(default_factory=list)
     prev_token_ids: torch.Tensor | None = None   # int64 [m] on the device: the previous step's sampled
                                          # ids, read by the rows with a prev_row
+    num_decode_rows: int = 0             # a mixed prefill step: its first rows are decode rows (one
+                                         # token each, no rope_positions); the runner may attend them
+                                         # with its decode kernel and the rest with its prefill kernel
 
     @property
     def num_tokens(self) -> int:

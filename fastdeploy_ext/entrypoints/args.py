@@ -201,6 +201,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
                         "decode on the device; the host reads them one step late); off: every step waits for "
                         "its ids (default: the device's capability row: on for the CPU rows, off on the GPU "
                         "rows until verified there)")
+    g.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="running requests' decode rows ride in the steps that prefill new ones, so a newcomer's "
+                        "vision pass does not stall their next token; off: such a step is a prefill only "
+                        "(default: the device's capability row: on for the CPU rows, off on the GPU rows until "
+                        "measured there)")
+    g.add_argument("--mixed-encoder-patches", type=int, default=None, metavar="N",
+                   help="a mixed step's encoder budget (the running requests' tokens wait for its vision pass); "
+                        "default min(16384, --max-encoder-patches)")
     return g
 
 
@@ -216,7 +224,9 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
                            gpu_memory_utilization=ns.gpu_memory_utilization,
                            kv_cache_memory=parse_bytes(ns.kv_cache_memory),
                            step_timeout=getattr(ns, "step_timeout", 300.0),
-                           async_scheduling=getattr(ns, "async_scheduling", None))
+                           async_scheduling=getattr(ns, "async_scheduling", None),
+                           mixed_steps=getattr(ns, "mixed_steps", None),
+                           mixed_encoder_patches=getattr(ns, "mixed_encoder_patches", None))
         cfg.validate()
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None

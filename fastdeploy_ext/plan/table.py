@@ -167,6 +167,8 @@ class CapabilityRow:
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     #: overlapped ("async") scheduling when the user does not choose (engine/config.py's decision)
     async_scheduling_default: bool = True
+    #: mixed steps (decode rows in prefill steps) when the user does not choose (engine/config.py)
+    mixed_steps_default: bool = True
 
     def entries(self, kind: ComponentKind) -> tuple[KernelEntry, ...]:
         """The row's backends for ``kind`` in preference order (empty: the row lists none)."""
@@ -200,7 +202,8 @@ class CapabilityRow:
                    bool(d.get("fused_layers", {}).get("supported", False)),
                    bool(d.get("fused_layers", {}).get("default", False)),
                    kv_block_size=int(d.get("kv_block_size", DEFAULT_KV_BLOCK_SIZE)),
-                   async_scheduling_default=bool(d.get("async_scheduling", {}).get("default", True)))
+                   async_scheduling_default=bool(d.get("async_scheduling", {}).get("default", True)),
+                   mixed_steps_default=bool(d.get("mixed_steps", {}).get("default", True)))
 
 
 @lru_cache(maxsize=None)

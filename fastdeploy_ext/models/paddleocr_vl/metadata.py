@@ -4,7 +4,8 @@
   the preprocessor; cu_seqlens, split sizes and the merge permutation are computed on the host
   and uploaded in one pinned, non-blocking copy (the attention backend's own per-batch state,
   e.g. the Triton block table, in another); position embeddings, rotary tables and each size's
-  merge order come from a per-(h, w) LFU cache. No device->host synchronisation.
+  merge order come from a per-(h, w) LFU cache (a batch's new sizes created together). No
+  device->host synchronisation.
 * device path (:meth:`MetadataBuilder.build_device`): the reference behaviour — everything
   derived with tensor ops from a grid_thw tensor that lives on the device; sizes are read back
   with ``int()``/``tolist()`` (syncs, by design: this is what transformers does).
@@ -84,6 +85,32 @@ class MetadataBuilder:
     def _upload(self, cpu: torch.Tensor) -> torch.Tensor:
         return upload(cpu, self.device)
 
+    def _create_tables(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], tuple]:
+        """The tables of several frame sizes at once (what ``_per_image_tables`` creates for one):
+        one host taps computation, two uploads, one rotary lookup and one resample for all of
+        them, split per size (each cloned, so that a cached size does not keep the others'
+        tensors alive). A step of document crops has a new size nearly every image: created one
+        by one each costs ~80 torch calls (each a launch or an op), batched a few per size. The
+        values are elementwise the same computations, so bitwise equal to one by one."""
+        m = self.merge
+        sizes = [h * w for h, w in shapes]
+        rows = torch.cat([torch.arange(h).repeat_interleave(w) for h, w in shapes])
+        cols = torch.cat([torch.arange(w).repeat(h) for h, w in shapes])
+        hs = torch.repeat_interleave(torch.tensor([h for h, _ in shapes]), torch.tensor(sizes))
+        ws = torch.repeat_interleave(torch.tensor([w for _, w in shapes]), torch.tensor(sizes))
+        idx, wts = taps_and_weights(rows, cols, hs, ws, self.side)
+        n = rows.numel()
+        packed = self._upload(torch.cat([rows, cols, idx.flatten()]))
+        rows_d, cols_d, idx_d = packed[:n], packed[n:2 * n], packed[2 * n:].view(-1, 4)
+        wts_d = self._upload(wts)
+        self.rotary.ensure(max(max(hw) for hw in shapes))
+        cos, sin = self.rotary.lookup(rows_d, cols_d)
+        pos = resample(self.pos_table, idx_d, wts_d, self.dtype)
+        parts = zip(pos.split(sizes), cos.split(sizes), sin.split(sizes))
+        return {(h, w): (p.clone(), c.clone(), si.clone(),
+                         torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).flatten())
+                for (h, w), (p, c, si) in zip(shapes, parts)}
+
     def _per_image_tables(self, h: int, w: int):
         """(pos_embed [h*w, D], cos, sin, merge order) for one frame of size h x w: the first
         three on the device in raster order, the last a host int64 tensor of raster indices in
@@ -111,7 +138,11 @@ class MetadataBuilder:
         for n in seq_lens:
             cu.append(cu[-1] + n)
         n_tok = cu[-1]
-        tables = [self._per_image_tables(h, w) for t, h, w in grids for _ in range(t)]
+        frames = [(h, w) for t, h, w in grids for _ in range(t)]
+        new = list(dict.fromkeys(hw for hw in frames if hw not in self.cache))
+        made = self._create_tables(new) if len(new) > 1 else {}      # the batch's new sizes at once
+        tables = [self.cache.get_or_create(hw, lambda v=made[hw]: v) if hw in made else self._per_image_tables(*hw)
+                  for hw in frames]
         pos, cos, sin, order = (torch.cat([tb[i] for tb in tables]) if len(tables) > 1 else tables[0][i]
                                 for i in range(4))
         # merge permutation, host side: each frame's cached (bh, bw, i, j) order, shifted by the

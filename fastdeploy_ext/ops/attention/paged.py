@@ -42,6 +42,9 @@ class PagedStepMeta:
     max_query_len: int = 1
     max_context_len: int = 1
     extras: dict = field(default_factory=dict)
+    #: a mixed prefill step (decode rows first): (the decode rows' meta, the prefill chunks' meta),
+    #: views of this step's tensors; the cache writes use this meta's slot_mapping for all tokens
+    mixed: "tuple[PagedStepMeta, PagedStepMeta] | None" = None
 
     @property
     def num_seqs(self) -> int:
