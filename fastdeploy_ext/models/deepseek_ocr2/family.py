@@ -104,6 +104,10 @@ class DeepseekOCR2Family(ModelFamily):
     def output_sizes(self, cfg: DeepseekOCR2Config, grids: Sequence) -> list[int]:
         return [cfg.image_rows(int(g[0]) - 1) for g in grids]
 
+    def encode_outputs(self, cfg: DeepseekOCR2Config, grids: Sequence) -> dict[str, torch.Tensor]:
+        """`encode` writes each image's crop count (int64 [n]) instead of a patch grid."""
+        return {"num_crops": torch.tensor([int(g[0]) - 1 for g in grids], dtype=torch.int64)}
+
     def encoder_cost(self, cfg: DeepseekOCR2Config, grid) -> int:
         """Input patches: 4096 for the global view + 2304 per crop."""
         return cfg.image_patches(int(grid[0]) - 1)
