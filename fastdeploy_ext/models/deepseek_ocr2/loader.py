@@ -141,6 +141,12 @@ def build(part: str, cfg: DeepseekOCR2Config) -> nn.Module:
     return DeepseekOCR2Decoder(cfg.text)
 
 
+def keep_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The router stays fp32 (it runs in fp32: a bf16 copy of its weights moves near-tied top-k
+    choices, and one flipped expert moves a token's output far more than rounding does)."""
+    return torch.float32 if name.endswith("mlp.gate.weight") else dtype
+
+
 def random_init(model: nn.Module, seed: int, scale: float = 0.05) -> nn.Module:
     """Random weights for ``--load-format dummy``: norms near 1, the rest small normal noise."""
     g = torch.Generator().manual_seed(seed)
@@ -165,7 +171,10 @@ def load(part: str, model_dir: str | Path | None, cfg: DeepseekOCR2Config, *, dt
     if model_dir is None:
         with torch.device(device):
             model = build(part, cfg)
-        model = random_init(model.to(dtype), seed * 2 + (part == "text")).eval()
+        model = random_init(model, seed * 2 + (part == "text"))
+        for name, p in model.named_parameters():
+            p.data = p.data.to(keep_dtype(name, dtype))
+        model = model.eval()
         return model, LoadReport(None, (), "random", "--load-format dummy: random weights",
                                  sum(1 for _ in model.parameters()))
     source = str(model_dir)
@@ -185,7 +194,7 @@ def load(part: str, model_dir: str | Path | None, cfg: DeepseekOCR2Config, *, dt
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{source}: tensor {original_name(name, part)} has shape {list(t.shape)}, "
                                   f"config.json implies {list(expected[name].shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    model.load_state_dict({k: v.to(keep_dtype(k, dtype)) for k, v in tensors.items()}, assign=True, strict=True)
     model = model.to(device).eval()
     log.info("deepseek_ocr2 %s: %d tensors from %s", part, len(tensors), source)
     return model, LoadReport(source, tuple(str(f) for f in files), "torch",
