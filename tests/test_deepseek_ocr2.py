@@ -290,3 +290,13 @@ def test_moe_paths_agree_and_do_not_renormalise(ours, monkeypatch):
                 g, u = (moe.gate_up[e] @ x[t]).chunk(2)
                 want[t] += w[t, j] * (moe.down[e] @ (F.silu(g) * u))
     assert (gathered - want).abs().max().item() < 1e-5
+
+
+def test_router_weights_stay_fp32_in_bf16(model_dir):
+    cfg = DeepseekOCR2Config.from_model_dir(model_dir)
+    txt, _ = load("text", model_dir, cfg, dtype=torch.bfloat16, device=CPU)
+    moe = txt.layers[1].mlp
+    assert moe.gate.weight.dtype == torch.float32
+    assert moe.gate_up.dtype == torch.bfloat16 and txt.lm_head.weight.dtype == torch.bfloat16
+    dummy, _ = load("text", None, cfg, dtype=torch.bfloat16, device=CPU)
+    assert dummy.layers[1].mlp.gate.weight.dtype == torch.float32 and dummy.norm.weight.dtype == torch.bfloat16

@@ -142,3 +142,8 @@ class DeepseekOCR2Family(ModelFamily):
     def builtin_special_tokens(self, cfg: DeepseekOCR2Config) -> dict[str, int]:
         from .prompt import builtin_special_tokens
         return builtin_special_tokens(cfg)
+
+    # ------------------------------------------------------------------ conformance
+    def conformance_fixture(self, workdir):
+        from .conformance import DeepseekOCR2Conformance
+        return DeepseekOCR2Conformance(workdir)
