@@ -62,7 +62,8 @@ setup(
         # model families (fastdeploy_ext/models/registry.py): built-ins register as out-of-tree ones do
         "fastdeploy_ext.models": ["paddleocr_vl=fastdeploy_ext.models.paddleocr_vl.family:PaddleOCRVLFamily",
                                   "pp_doclayout_v3=fastdeploy_ext.models.pp_doclayout_v3.family:PPDocLayoutV3Family",
-                                  "pp_doclayout_v2=fastdeploy_ext.models.pp_doclayout_v2.family:PPDocLayoutV2Family"],
+                                  "pp_doclayout_v2=fastdeploy_ext.models.pp_doclayout_v2.family:PPDocLayoutV2Family",
+                                  "deepseek_ocr2=fastdeploy_ext.models.deepseek_ocr2.family:DeepseekOCR2Family"],
         "pytest11": ["fastdeploy_ext_conformance=fastdeploy_ext.conformance.plugin"],
     },
 )

@@ -63,6 +63,9 @@ class GenerateCase:
     max_tokens: int
     expected: list[list[int]]                            # greedy ids per image, each request alone
     live: Callable[[list[Path]], list[list[int]]] | None = None   # recomputed now (None: the shipped ids only)
+    # tokens of the longest prompt of ``images`` (image rows included) where it exceeds what the
+    # suite's lengths assume (DeepSeek-OCR-2: >= 257 rows an image); 0: the suite's defaults hold
+    max_prompt_len: int = 0
 
 
 # the bad batches every family must refuse with a clear BatchError (name -> what is wrong)

@@ -62,6 +62,12 @@ def make_llm(runner, model_dir, async_scheduling: bool = True, **kw):
     return llm
 
 
+def model_len(case, new_tokens: int, floor: int) -> int:
+    """``floor`` (the suite's max_model_len), or the family's longest prompt plus ``new_tokens``
+    where its prompts are longer."""
+    return max(floor, case.max_prompt_len + new_tokens)
+
+
 def generate(llm, imgs):
     outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": str(p)}} for p in imgs], GREEDY,
                         use_tqdm=False)
@@ -73,7 +79,7 @@ def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected,
     """Against the fixture's ids always (PaddleOCR-VL: the shipped ones); with the family's live
     reference available (transformers installed), against it run now as well (no skip without
     it: the shipped ids are the reference then)."""
-    llm = make_llm(runner, tiny_vl, async_scheduling)
+    llm = make_llm(runner, tiny_vl, async_scheduling, max_model_len=model_len(case, MAX_TOKENS, 256))
     alone = [generate(llm, [p])[0] for p in images]
     assert alone == expected["token_ids"]
     if case.live is None:
@@ -88,11 +94,11 @@ def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected,
 
 
 @pytest.mark.parametrize("mode", ["max_prefill", "chunked"])
-def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode, async_scheduling):
+def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode, async_scheduling, case):
     imgs = (list(images) * 2)[:8]      # 8 concurrent requests (the shipped images, twice)
     kw = {"enable_max_prefill": True} if mode == "max_prefill" else \
         {"enable_max_prefill": False, "max_num_batched_tokens": 8}      # chunks split image tokens
-    llm = make_llm(runner, tiny_vl, async_scheduling, **kw)
+    llm = make_llm(runner, tiny_vl, async_scheduling, max_model_len=model_len(case, MAX_TOKENS, 256), **kw)
     eng = llm.engine
     for i, p in enumerate(imgs):      # all 8 queued before the first step (no pool timing involved)
         eng.add_request(str(i), {"prompt": PROMPT, "images": [str(p)]}, GREEDY)
@@ -108,29 +114,34 @@ def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected
         assert st.num_prefill_steps > len(imgs), "prompts were chunked"
 
 
-def test_preemption_keeps_tokens(runner, tiny_vl, images, expected, async_scheduling):
+def test_preemption_keeps_tokens(runner, tiny_vl, images, expected, async_scheduling, case):
     """A pool of one max_model_len sequence plus a block: 8 requests of 40 tokens must preempt
     (recompute) and still give each request's tokens alone."""
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # growth must outweigh the prompts for two of them to outgrow one sequence's pool: 40 tokens,
+    # or as many as a family's longest prompt where its prompts are long (DeepSeek-OCR-2: ~260)
+    grow = max(40, case.max_prompt_len)
+    long = SamplingParams(temperature=0, max_tokens=grow, ignore_eos=True)
     imgs = (list(images) * 2)[:8]
-    big = make_llm(runner, tiny_vl, async_scheduling, max_model_len=80)
+    n = model_len(case, grow, 80)
+    big = make_llm(runner, tiny_vl, async_scheduling, max_model_len=n)
     alone = [big.generate([{"prompt": PROMPT, "images": [str(p)]}], long, use_tqdm=False)[0].outputs[0].token_ids
              for p in images]
     assert [a[:MAX_TOKENS] for a in alone] == expected["token_ids"]
     bs = runner.kv_cache_spec().block_size
-    small = make_llm(runner, tiny_vl, async_scheduling, max_model_len=80, num_kv_blocks=-(-80 // bs) + 1)
+    small = make_llm(runner, tiny_vl, async_scheduling, max_model_len=n, num_kv_blocks=-(-n // bs) + 1)
     outs = small.generate([{"prompt": PROMPT, "images": [str(p)]} for p in imgs], long, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == (alone * 2)[:8]
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.block_manager.num_used == 0
 
 
-def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], monkeypatch) -> dict:
+def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], monkeypatch,
+                           max_model_len: int = 256) -> dict:
     """All requests batched; every sampled token replaced by `forced` (the fp32 greedy ids), so
     both dtypes see the same inputs. Returns {(request, output index): float32 logits row}."""
     from ..engine import llm_engine
     from ..ops.sampler import PendingSample, SampleResult
-    llm = make_llm(runner, model_dir, async_scheduling=False)     # each step's logits, then its forced ids
+    llm = make_llm(runner, model_dir, async_scheduling=False, max_model_len=max_model_len)   # each step's logits, then its forced ids
     eng = llm.engine
     rows, last = {}, {}
     execute = runner.execute
@@ -164,7 +175,7 @@ def _teacher_forced_logits(runner, model_dir, images, forced: list[list[int]], m
     return rows
 
 
-def test_bf16_teacher_forced_logits_cosine(backend_cls, runner, tiny_vl, images, expected, monkeypatch):
+def test_bf16_teacher_forced_logits_cosine(backend_cls, runner, tiny_vl, images, expected, monkeypatch, case):
     """bf16 (batching changes reduction order, so tokens may differ): teacher-forced logits of
     every generated position, batched, against fp32: cosine >= 0.999 per request (all its
     positions' logits together, as encode's bf16 check is per image). Single positions are
@@ -173,8 +184,9 @@ def test_bf16_teacher_forced_logits_cosine(backend_cls, runner, tiny_vl, images,
     import torch
     bf16 = backend_cls.create(PlanRequest(device=backend_cls.name, dtype="bfloat16"))
     bf16.load_model(str(tiny_vl), with_text=True, model_family=runner.family.name)
-    ref = _teacher_forced_logits(runner, tiny_vl, images, expected["token_ids"], monkeypatch)
-    got = _teacher_forced_logits(bf16, tiny_vl, images, expected["token_ids"], monkeypatch)
+    n = model_len(case, MAX_TOKENS, 256)
+    ref = _teacher_forced_logits(runner, tiny_vl, images, expected["token_ids"], monkeypatch, n)
+    got = _teacher_forced_logits(bf16, tiny_vl, images, expected["token_ids"], monkeypatch, n)
     assert set(got) == set(ref) and len(ref) == len(images) * MAX_TOKENS
     cos = torch.nn.functional.cosine_similarity
     per_pos = {k: cos(got[k], ref[k], dim=0).item() for k in ref}

@@ -27,8 +27,8 @@ goes through the same output processing as the synchronous loop (stop checks, st
 finishing); a request found finished then has already been scheduled for N+1: that extra token
 is dropped, never reported or counted, and its blocks are freed now. Aborts and host failures of
 a request in flight end it at once and drop its in-flight token the same way. A step with a
-repetition_penalty request waits for step N's ids first (the penalty reads the history on the
-host). Off (--no-async-scheduling), every step reads its own ids before returning: the same
+repetition_penalty or ngram_blocker request waits for step N's ids first (both read the history
+on the host). Off (--no-async-scheduling), every step reads its own ids before returning: the same
 code, resolved at once.
 
 Mixed steps (EngineConfig.mixed_steps, the engine's Decision logged at start): a step that
@@ -362,8 +362,8 @@ class LLMEngine:
     def _needs_host_ids(sched: SchedulerOutput) -> bool:
         """A row whose sampling reads its ids on the host (the repetition penalty's history)
         while one of them is still on the device: the step waits for the previous ids."""
-        return any(s.seq.params.repetition_penalty != 1.0 and s.seq.token_ids[-1] == UNRESOLVED_TOKEN
-                   for s in sched.scheduled)
+        return any((s.seq.params.repetition_penalty != 1.0 or s.seq.params.ngram_blocker is not None)
+                   and s.seq.token_ids[-1] == UNRESOLVED_TOKEN for s in sched.scheduled)
 
     def _launch(self, sched: SchedulerOutput, prev: InFlight | None,
                 outputs: list[RequestOutput]) -> InFlight | None:
@@ -488,6 +488,8 @@ class LLMEngine:
         banned = self.never_sample
         if seq.num_output_tokens < p.min_tokens:
             banned += tuple(set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids)))
+        if p.ngram_blocker is not None:      # host ids only: the step waited for them (_needs_host_ids)
+            banned += tuple(p.ngram_blocker.banned(seq.token_ids[seq.prompt_len:]))
         return SampleRequest(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                              repetition_penalty=p.repetition_penalty,
                              history=seq.token_ids if p.repetition_penalty != 1.0 else (),

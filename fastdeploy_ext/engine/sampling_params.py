@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, fields
+from typing import Sequence
 
 from ..ops.sampler import GREEDY_EPS
 from .errors import InvalidRequest
@@ -101,6 +102,59 @@ class RepetitionGuard:
 
 _GUARD_FIELDS = {f.name for f in fields(RepetitionGuard)}
 
+NGRAM_LIMITS = {"size": 1024, "window": 1 << 16, "whitelist": 1024}
+
+
+@dataclass
+class NGramBlocker:
+    """DeepSeek-OCR's per-request no-repeat n-gram rule (its ``NGramPerReqLogitsProcessor``,
+    which vLLM runs over the output tokens): at each step, a token that would complete an n-gram
+    of ``size`` tokens already present among the last ``window`` output tokens is banned, unless
+    it is in ``whitelist``. The prompt is not searched. DeepSeek's recommended setting is size 30,
+    window 90, whitelist (128821, 128822) (the table cell tags). transformers'
+    ``no_repeat_ngram_size`` is the same rule without the window and the whitelist.
+
+    Applied on the host (the step's banned ids: one masked write on the device, no read back);
+    a request with a blocker has its previous token read before its next step is sampled, as a
+    repetition_penalty request has."""
+    size: int
+    window: int
+    whitelist: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.whitelist, list):
+            self.whitelist = tuple(self.whitelist)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        check_int("ngram_blocker.size", self.size, 2, NGRAM_LIMITS["size"])
+        check_int("ngram_blocker.window", self.window, self.size if _is_int(self.size) else 2, NGRAM_LIMITS["window"],
+                  f"an integer in [size, {NGRAM_LIMITS['window']}]")
+        wl = self.whitelist
+        if not isinstance(wl, tuple) or len(wl) > NGRAM_LIMITS["whitelist"]:
+            _fail("ngram_blocker.whitelist", f"must be a list of at most {NGRAM_LIMITS['whitelist']} token ids, "
+                                             f"got {wl!r}"[:300])
+        hi = (vocab_size - 1) if vocab_size is not None else None
+        for tok in wl:
+            check_int("ngram_blocker.whitelist", tok, 0, hi,
+                      f"token ids in [0, {vocab_size})" if hi is not None else "token ids >= 0")
+
+    def banned(self, output_ids: Sequence[int]) -> list[int]:
+        """The ids banned for the next token after ``output_ids`` (the request's output so far)."""
+        n, out = self.size, output_ids
+        if len(out) < n:
+            return []
+        last, prefix = out[-1], list(out[len(out) - n + 1:])
+        hits = set()
+        # an n-gram out[i:i+n] blocks out[i+n-1] when its first n-1 tokens are the current tail;
+        # its (n-1)-th token must then be the last one: that cheap test first
+        for i in range(max(0, len(out) - self.window), len(out) - n + 1):
+            if out[i + n - 2] == last and list(out[i:i + n - 1]) == prefix:
+                hits.add(int(out[i + n - 1]))
+        return sorted(hits.difference(self.whitelist))
+
+
+_NGRAM_FIELDS = {f.name for f in fields(NGramBlocker)}
+
 
 @dataclass
 class SamplingParams:
@@ -119,6 +173,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None            # None: none; 0: the chosen token's only; k: plus top k
     repetition_guard: RepetitionGuard = field(default_factory=RepetitionGuard)
+    ngram_blocker: NGramBlocker | None = None      # DeepSeek-OCR's no-repeat n-gram rule
     detokenize: bool = True
 
     def __post_init__(self):
@@ -132,6 +187,10 @@ class SamplingParams:
         g = self.repetition_guard
         if isinstance(g, dict) and all(isinstance(k, str) for k in g) and set(g) <= _GUARD_FIELDS:
             self.repetition_guard = RepetitionGuard(**g)
+        b = self.ngram_blocker
+        if isinstance(b, dict) and all(isinstance(k, str) for k in b) and set(b) <= _NGRAM_FIELDS \
+                and {"size", "window"} <= set(b):
+            self.ngram_blocker = NGramBlocker(**b)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
 
@@ -183,3 +242,8 @@ class SamplingParams:
             g = self.repetition_guard
             _fail("repetition_guard", f"must be an object with {', '.join(sorted(_GUARD_FIELDS))}, got {g!r}"[:300])
         self.repetition_guard.validate()
+        if self.ngram_blocker is not None:
+            if not isinstance(self.ngram_blocker, NGramBlocker):
+                _fail("ngram_blocker", f"must be an object with size, window and optionally whitelist, "
+                                       f"got {self.ngram_blocker!r}"[:300])
+            self.ngram_blocker.validate(vocab_size)

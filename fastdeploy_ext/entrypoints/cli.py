@@ -115,7 +115,6 @@ def cmd_info(args) -> int:
 
 # ------------------------------------------------------------------------ encode
 def cmd_encode(args) -> int:
-    import torch
     from safetensors.torch import save_file
 
     from ..inputs.images import ImageInputError, resolve_source
@@ -142,15 +141,17 @@ def cmd_encode(args) -> int:
         feats = runner.encode_images(ImageBatch.from_images(images))
     except BatchError as e:
         raise CliError(str(e)) from None
-    grid = torch.tensor([im.grid_thw for im in images], dtype=torch.int64)
+    # the family's per-image metadata: grid_thw [n, 3] (PaddleOCR-VL), num_crops [n] (DeepSeek-OCR-2)
+    extra = runner.family.encode_outputs(runner.cfg, [tuple(im.grid_thw) for im in images])
     tensors = {f"image_{i}": f.detach().cpu().contiguous() for i, f in enumerate(feats)}
-    tensors["grid_thw"] = grid
+    tensors.update(extra)
     save_file(tensors, args.output, metadata={"device": runner.plan.device, "row": runner.plan.row,
                                               "dtype": runner.plan.dtype.value,
                                               "emulated": str(runner.plan.emulated).lower()})
     dt = time.perf_counter() - t0
     shapes = ", ".join(f"image_{i} {list(f.shape)}" for i, f in enumerate(feats))
-    print(f"wrote {args.output}: {shapes}; grid_thw {grid.tolist()} ({dt * 1000:.1f} ms)")
+    meta = "; ".join(f"{k} {v.tolist()}" for k, v in extra.items())
+    print(f"wrote {args.output}: {shapes}; {meta} ({dt * 1000:.1f} ms)")
     return 0
 
 

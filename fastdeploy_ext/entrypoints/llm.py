@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 class LLM:
     def __init__(self, model: str | None = None, *, load_format: str = "auto", model_format: str = "auto",
-                 device: str = "auto", dtype: str = "auto", max_num_seqs: int = 256,
+                 model_family: str | None = None, device: str = "auto", dtype: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 16384, max_model_len: int = 16384,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
                  limit_mm_per_prompt: dict | str | None = None, max_encoder_patches: int = 65536,
@@ -48,7 +48,7 @@ class LLM:
         plan = PlanRequest(device=device, dtype=dtype, **plan_flags)
         plan.validate()
         self.config = EngineConfig(
-            model=model, load_format=load_format, model_format=model_format, plan=plan, max_num_seqs=max_num_seqs,
+            model=model, load_format=load_format, model_format=model_format, model_family=model_family, plan=plan, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=parse_bytes(kv_cache_memory),
             limit_mm_per_prompt=parse_limit_mm(limit_mm_per_prompt), max_encoder_patches=max_encoder_patches,

@@ -203,6 +203,12 @@ class ModelFamily(Family):
     def vocab_size(self, cfg: Any) -> int:
         """Rows of the decoder's logits (sampling parameters naming token ids are checked against it)."""
 
+    def encode_outputs(self, cfg: Any, grids: Sequence[Grid]) -> dict[str, torch.Tensor]:
+        """The tensors `encode` writes beside ``image_0, image_1, ...``: by default the images'
+        grids (``grid_thw``, int64 ``[n, 3]``); a family whose grid is not a (t, h, w) patch grid
+        writes its own form."""
+        return {"grid_thw": torch.tensor([tuple(g) for g in grids], dtype=torch.int64).view(-1, 3)}
+
     # --- benchmarks
     # Not abstract: only a family the benchmarks compare against a reference implements them.
     def released_image_processor(self) -> Any:

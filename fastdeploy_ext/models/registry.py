@@ -25,7 +25,8 @@ DEFAULT_FAMILY = "paddleocr_vl"      # dummy weights and `info` without a model
 DEFAULT_DETECTOR_FAMILY = "pp_doclayout_v3"      # `detect --load-format dummy`
 BUILTIN_FAMILIES = {"paddleocr_vl": "fastdeploy_ext.models.paddleocr_vl.family:PaddleOCRVLFamily",
                     "pp_doclayout_v3": "fastdeploy_ext.models.pp_doclayout_v3.family:PPDocLayoutV3Family",
-                    "pp_doclayout_v2": "fastdeploy_ext.models.pp_doclayout_v2.family:PPDocLayoutV2Family"}
+                    "pp_doclayout_v2": "fastdeploy_ext.models.pp_doclayout_v2.family:PPDocLayoutV2Family",
+                    "deepseek_ocr2": "fastdeploy_ext.models.deepseek_ocr2.family:DeepseekOCR2Family"}
 
 _REGISTRY: dict[str, type[Family]] = {}
 

@@ -199,6 +199,13 @@ class RepetitionGuardOverride(_Strict):
     min_span: StrictInt | None = None
 
 
+class NGramBlockerSpec(_Strict):
+    """engine.sampling_params.NGramBlocker's fields (DeepSeek-OCR's no-repeat n-gram rule)."""
+    size: StrictInt
+    window: StrictInt
+    whitelist: list[StrictInt] = Field(default_factory=list)
+
+
 class ChatCompletionRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -231,6 +238,8 @@ class ChatCompletionRequest(_Strict):
     # ours: per-request override of the server's repetition-loop guard (e.g. {"enabled": false}
     # for a page that legitimately repeats), keys of engine.sampling_params.RepetitionGuard
     repetition_guard: RepetitionGuardOverride | None = None
+    # ours: DeepSeek-OCR's per-request n-gram blocker ({"size": 30, "window": 90, "whitelist": [...]})
+    ngram_blocker: NGramBlockerSpec | None = None
 
     @property
     def output_limit(self) -> int | None:

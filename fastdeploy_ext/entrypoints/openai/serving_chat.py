@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ...engine.errors import EngineDead, InvalidRequest, RequestFailed
-from ...engine.sampling_params import RepetitionGuard, SamplingParams
+from ...engine.sampling_params import NGramBlocker, RepetitionGuard, SamplingParams
 from ...inputs.messages import MessageError, NormalizedMessages, normalize_messages
 from . import protocol, request_log
 from .errors import APIError, bad_request, server_stopping
@@ -97,6 +97,8 @@ def sampling_params(req: protocol.ChatCompletionRequest, guard: dict | None) -> 
     override = req.repetition_guard.model_dump(exclude_none=True) if req.repetition_guard else {}
     if guard is not None or override:
         kw["repetition_guard"] = RepetitionGuard(**{**(guard or {}), **override})
+    if req.ngram_blocker is not None:
+        kw["ngram_blocker"] = NGramBlocker(**req.ngram_blocker.model_dump())
     return SamplingParams(**kw)
 
 

@@ -1,0 +1,159 @@
+"""DeepSeek-OCR-2's image preprocessor (host side): a global view and, for a large image, local crops.
+
+- Global view: the image fit into ``base_size`` (1024) by its longer side (PIL bicubic, sizes
+  rounded as Python's ``round``), padded to a square with (127, 127, 127), centred.
+- Crops, only when max(h, w) > ``tile_size`` (768): the tiling of ``min_crops``..``max_crops``
+  tiles (cols x rows) whose aspect ratio is closest to the image's (a tie goes to more tiles
+  while the image's area exceeds half the tiles'), the image resized to it (bicubic) and cut in
+  raster order.
+- Every view: uint8 -> x / 255 (float64, then float32) -> (x - 0.5) / 0.5, as transformers' PIL
+  processor does, so the pixels are bitwise its own.
+
+The engine packs images by concatenating their ``pixel_values`` along dim 0, and views of two
+sizes cannot be stacked, so each view is cut into its 16x16 patches (channel-major, raster
+order): an image is ``[crops * (768/16)^2 + (1024/16)^2, 3, 16, 16]``, the crops first, then the
+global view (the order of its embedding rows). SAM's patch embedding is a stride-16 conv, i.e.
+one matmul over these patches.
+
+An image's grid is ``(views, rows, cols)``: views = 1 + crops, and the tiling (1, 1) when there
+are no crops. ``num_crops(grid)`` reads it back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ...inputs.images import ImageInputError, load_image, source_name
+from .config import DeepseekOCR2Config
+
+BACKGROUND = (127, 127, 127)
+RESCALE = 1 / 255
+
+
+def num_crops(grid) -> int:
+    return int(grid[0]) - 1
+
+
+@lru_cache(maxsize=16)
+def tilings(min_crops: int, max_crops: int) -> tuple[tuple[int, int], ...]:
+    """(cols, rows) with min <= cols*rows <= max, by tile count (cols-major within a count)."""
+    out = [(c, r) for c in range(1, max_crops + 1) for r in range(1, max_crops + 1) if min_crops <= c * r <= max_crops]
+    return tuple(sorted(out, key=lambda g: g[0] * g[1]))
+
+
+def best_tiling(width: int, height: int, tile: int, min_crops: int, max_crops: int) -> tuple[int, int]:
+    """(cols, rows) of the tiling closest to the image's aspect ratio."""
+    ratio, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for cols, rows in tilings(min_crops, max_crops):
+        diff = abs(ratio - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+@dataclass
+class ProcessedImage:
+    pixel_values: torch.Tensor               # float32 [patches, 3, 16, 16]: crops (raster), then the global view
+    grid_thw: tuple[int, int, int]           # (1 + crops, rows, cols)
+    source: str
+    original_size: tuple[int, int]           # (height, width) decoded
+
+    @property
+    def num_crops(self) -> int:
+        return num_crops(self.grid_thw)
+
+    @property
+    def num_patches(self) -> int:
+        return self.pixel_values.shape[0]
+
+
+class DeepseekOCR2ImageProcessor:
+    def __init__(self, cfg: DeepseekOCR2Config | None = None):
+        self.cfg = cfg or DeepseekOCR2Config()
+
+    # ---------------------------------------------------------------- geometry
+    def grid_for(self, width: int, height: int) -> tuple[int, int, int]:
+        """(1 + crops, rows, cols); (1, 1, 1) when the image needs no crops."""
+        c = self.cfg
+        if max(width, height) <= c.tile_size:
+            return (1, 1, 1)
+        cols, rows = best_tiling(width, height, c.tile_size, c.min_crops, c.max_crops)
+        return (1 + cols * rows, rows, cols)
+
+    def cost(self, grid) -> int:
+        """Input patches of an image of this grid (the encoder budget's unit)."""
+        return self.cfg.image_patches(num_crops(grid))
+
+    # ---------------------------------------------------------------- pixels
+    def views(self, img: Image.Image) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """uint8 [H, W, 3] arrays: the crops in raster order, then the padded global view."""
+        c = self.cfg
+        w, h = img.size
+        grid = self.grid_for(w, h)
+        out = []
+        if num_crops(grid):
+            rows, cols = grid[1], grid[2]
+            t = c.tile_size
+            big = np.asarray(img.resize((t * cols, t * rows), Image.BICUBIC))
+            out.extend(big[r * t:(r + 1) * t, q * t:(q + 1) * t] for r in range(rows) for q in range(cols))
+        scale = c.base_size / max(w, h)
+        nw, nh = round(w * scale), round(h * scale)
+        small = np.asarray(img.resize((nw, nh), Image.BICUBIC))
+        side = max(nw, nh)
+        glob = np.empty((side, side, 3), dtype=np.uint8)
+        glob[...] = BACKGROUND
+        if nw > nh:
+            top = (side - nh) // 2
+            glob[top:top + nh] = small
+        else:
+            left = (side - nw) // 2
+            glob[:, left:left + nw] = small
+        out.append(glob)
+        return out, grid
+
+    def patches(self, view: np.ndarray) -> torch.Tensor:
+        """uint8 [S, S, 3] -> float32 [(S/16)^2, 3, 16, 16], normalized to [-1, 1]."""
+        p = self.cfg.sam.patch_size
+        x = (view.astype(np.float64) * RESCALE).astype(np.float32)
+        x = (x - np.float32(0.5)) / np.float32(0.5)
+        s = x.shape[0] // p
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        return t.view(s, p, s, p, 3).permute(0, 2, 4, 1, 3).reshape(s * s, 3, p, p)
+
+    def preprocess(self, src, name: str | None = None, *, max_patches: int | None = None) -> ProcessedImage:
+        """``max_patches``: refuse an image whose views hold more input patches than that (its
+        size is known from the header, before it is decoded)."""
+        label = source_name(src, name)
+
+        def size_check(lb, w, h):
+            if max_patches is not None:
+                cost = self.cost(self.grid_for(w, h))
+                if cost > max_patches:
+                    raise ImageInputError(lb, f"{w}x{h} pixels make {cost} input patches (a global view and "
+                                          f"{num_crops(self.grid_for(w, h))} crops), more than the limit of "
+                                          f"{max_patches}", "send a smaller image")
+
+        img = load_image(src, name, size_check=size_check)
+        views, grid = self.views(img)
+        pv = torch.cat([self.patches(v) for v in views]).contiguous()
+        return ProcessedImage(pv, grid, label, (img.height, img.width))
+
+    def unpatch(self, pixel_values: torch.Tensor, grid) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One image's patches back to views [3, S, S] (crops, global): what transformers'
+        processor returns as pixel_values_local / pixel_values (tests compare against it)."""
+        p = self.cfg.sam.patch_size
+        n = num_crops(grid)
+        sizes = [self.cfg.patches(self.cfg.tile_size)] * n + [self.cfg.patches(self.cfg.base_size)]
+
+        def view(x):
+            s = int(round(x.shape[0] ** 0.5))
+            return x.view(s, s, 3, p, p).permute(2, 0, 3, 1, 4).reshape(3, s * p, s * p)
+        parts = [view(x) for x in pixel_values.split(sizes)]
+        return parts[:-1], parts[-1]

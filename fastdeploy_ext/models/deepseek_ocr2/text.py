@@ -1,0 +1,145 @@
+"""DeepSeek-OCR-2's decoder (DeepSeek3B-MoE-A570M) over a flat token batch, eager ATen ops.
+
+Plain multi-head attention (no MLA) with 1D NeoX rope, pre-norm RMSNorm layers; the first
+``first_k_dense`` layers have a dense SwiGLU MLP, the others a mixture of experts: a softmax
+router in fp32, the top ``num_experts_per_tok`` experts weighted by their probabilities as they
+are (no renormalisation, times ``routed_scaling_factor``), plus the shared experts (one SwiGLU of
+``n_shared_experts`` x the expert width) on every token. Untied LM head.
+
+Attention is the runner's paged attention (text_runner.PagedAttention: ``attend(layer, q, k,
+v)``); positions are [1, T] in prefill (position_rows 1) and [T] in decode.
+
+The routed experts are stacked ([E, 2I, H] gate|up, [E, H, I] down). Two ways to run them, both
+free of host syncs (the step loop has none): small batches (decode) run every expert on every
+token, weighted by the dense [T, E] combine matrix whose non-routed entries are zero; larger
+ones gather each token's k experts' weights and run one batched matmul per chunk of tokens, so
+the memory stays bounded. Correctness first: the fast grouped GEMMs are the MoE component's
+other kernels (to come).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TextConfig
+from .vision import Projections, RMSNorm, SwiGLU
+
+log = logging.getLogger(__name__)
+
+#: at most this many tokens run every expert densely (cheaper than gathering weights there)
+DENSE_EXPERT_TOKENS = 8
+#: tokens per chunk of the gathered path ([chunk * k, 2I, H] weights live at once)
+GATHER_CHUNK = 64
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    pos = positions.reshape(-1).float()
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    f = pos[:, None] * inv
+    f = torch.cat((f, f), -1)
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
+
+
+class MoE(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.c = c
+        e, h, i = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate = nn.Linear(h, e, bias=False)                       # router, run in fp32
+        self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down = nn.Parameter(torch.zeros(e, h, i))
+        self.shared_experts = SwiGLU(h, i * c.n_shared_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k]) of each token."""
+        probs = F.linear(x.float(), self.gate.weight.float()).softmax(-1)     # the loader keeps it fp32
+        w, idx = probs.topk(self.c.num_experts_per_tok, -1)
+        return w * self.c.routed_scaling_factor, idx
+
+    def experts_dense(self, x, w, idx):
+        combine = torch.zeros(x.shape[0], self.c.n_routed_experts, device=x.device, dtype=torch.float32)
+        combine.scatter_(1, idx, w)
+        gu = torch.einsum("th,eih->eti", x, self.gate_up)              # [E, T, 2I]
+        g, u = gu.chunk(2, -1)
+        y = torch.einsum("eti,ehi->eth", F.silu(g) * u, self.down)    # [E, T, H]
+        return (y * combine.t()[..., None].to(y.dtype)).sum(0)
+
+    def experts_gathered(self, x, w, idx):
+        out = []
+        k = idx.shape[1]
+        for s in range(0, x.shape[0], GATHER_CHUNK):
+            xs, ids, ws = x[s:s + GATHER_CHUNK], idx[s:s + GATHER_CHUNK].reshape(-1), w[s:s + GATHER_CHUNK]
+            xr = xs.repeat_interleave(k, 0)[:, :, None]                 # [t*k, H, 1]
+            g, u = torch.bmm(self.gate_up[ids], xr)[..., 0].chunk(2, -1)
+            y = torch.bmm(self.down[ids], (F.silu(g) * u)[:, :, None])[..., 0]   # [t*k, H]
+            out.append((y.view(-1, k, y.shape[-1]) * ws[..., None].to(y.dtype)).sum(1))
+        return torch.cat(out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.route(x)
+        routed = self.experts_dense(x, w, idx) if x.shape[0] <= DENSE_EXPERT_TOKENS else self.experts_gathered(x, w, idx)
+        return routed.to(x.dtype) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TextConfig, layer: int):
+        super().__init__()
+        d, hd = c.hidden_size, c.head_dim
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, hd
+        self.input_layernorm = RMSNorm(d, c.rms_norm_eps)
+        self.self_attn = Projections(d, self.nh, self.nkv, hd, qkv_bias=False)
+        self.post_attention_layernorm = RMSNorm(d, c.rms_norm_eps)
+        self.mlp = MoE(c) if c.is_sparse(layer) else SwiGLU(d, c.intermediate_size)
+
+    def forward(self, x, cos, sin, i: int, attend) -> torch.Tensor:
+        n = x.shape[0]
+        y, a = self.input_layernorm(x), self.self_attn
+        q = apply_rotary(a.q_proj(y).view(n, self.nh, self.hd), cos, sin)
+        k = apply_rotary(a.k_proj(y).view(n, self.nkv, self.hd), cos, sin)
+        v = a.v_proj(y).view(n, self.nkv, self.hd)
+        x = x + a.o_proj(attend(i, q, k, v).reshape(n, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekOCR2Decoder(nn.Module):
+    """The DecoderModel the step runner drives (models/interface.py)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def fused(self) -> bool:
+        return False
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        if on:
+            log.info("deepseek_ocr2 decoder: no fused passes yet (the plan's fused layers do not apply): ATen layers")
+
+    def embed(self, token_ids, image_embeds=None, image_index=None) -> torch.Tensor:
+        x = self.embed_tokens(token_ids)
+        if image_embeds is not None and image_index is not None and image_index.numel():
+            x = x.index_copy(0, image_index, image_embeds.to(x.dtype))
+        return x
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, attend)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,330 @@
+"""DeepSeek-OCR-2's vision tower: SAM ViT-B -> Qwen2 encoder with learned queries -> projector.
+
+A packed batch holds each image's 16x16 patches (processor.py): its crops, then its global
+view. The host metadata splits it into the batch's global views ([G, 64, 64] patches) and crops
+([C, 48, 48]); each group runs through the tower as one batch (two shapes, two passes), and
+the rows are put back per image in the token order: crops, global view, the view separator.
+
+SAM (per view of S/16 patches a side):
+- patch embedding (a stride-16 conv: one matmul over the packed patches) + absolute positions,
+  trained at 64x64 and resized for a 48x48 crop (bicubic with antialias, in fp32);
+- layers of pre-norm attention with a decomposed relative-position bias (q . R_h + q . R_w added
+  to the logits); windowed layers cut the grid into 14x14 windows after padding it with zeros
+  (the padding is not masked: its keys/values are the qkv bias, as in the trained model); the
+  global layers attend over the whole grid, their bias tables resized linearly (127 -> 95 rows
+  for 48x48);
+- a neck (1x1 conv, LayerNorm over channels, 3x3 conv, LayerNorm) and two stride-2 3x3 convs
+  to the encoder's width: 16x16 (global) / 12x12 (crop) tokens.
+
+Qwen2 encoder: over [visual tokens, learned queries (256 global / 144 crop)] with 1D rope on
+the index; visual tokens attend to each other bidirectionally, the queries causally (to all
+visual tokens and the queries before them). The query outputs, after the final norm, go through
+the projector Linear to the decoder's width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
+from .processor import num_crops
+
+
+# ------------------------------------------------------------------ execution and metadata
+@dataclass(frozen=True)
+class VisionExecution:
+    """What the tower takes from the plan. Its attention is ATen's (SDPA with an additive bias or
+    a boolean mask): no varlen backend takes a relative-position bias or a prefix mask yet."""
+    attention: Any = None
+    strided_qkv: bool = False
+    fused_layers: bool = False
+
+
+@dataclass
+class VisionMetadata:
+    num_tokens: int                          # input patches of the batch
+    crops: list[int]                         # per image
+    view_sizes: list[int]                    # patches of each view, in packed order
+    view_is_global: list[bool]
+    out_split_sizes: list[int]               # embedding rows per image
+    grids: list[tuple[int, int, int]]
+    source: str                              # "host" | "device"
+    attention_state: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+class VisionMetadataBuilder:
+    """Per-batch metadata from the host grids (views = 1 + crops). The device path reads the grid
+    tensor back once (the reference behaviour, as the other families' device paths)."""
+
+    def __init__(self, cfg: DeepseekOCR2Config, *, device: torch.device):
+        self.cfg, self.device = cfg, device
+
+    def build_host(self, grids, source: str = "host") -> VisionMetadata:
+        c = self.cfg
+        grids = [tuple(int(x) for x in g) for g in grids]
+        crops = [num_crops(g) for g in grids]
+        sizes, is_global = [], []
+        for n in crops:
+            sizes += [c.patches(c.tile_size)] * n + [c.patches(c.base_size)]
+            is_global += [False] * n + [True]
+        return VisionMetadata(sum(sizes), crops, sizes, is_global, [c.image_rows(n) for n in crops], grids, source)
+
+    def build_device(self, grid_thw: torch.Tensor) -> VisionMetadata:
+        return self.build_host([tuple(g) for g in grid_thw.tolist()], "device")
+
+
+# ------------------------------------------------------------------ SAM
+def rel_pos_table(table: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, size, head_dim]: the bias vectors of query i against key j (offset i - j), the
+    table resized linearly to 2 * size - 1 rows when it was trained for another size."""
+    n = 2 * size - 1
+    if table.shape[0] != n:
+        table = F.interpolate(table.t()[None].float(), size=n, mode="linear")[0].t().to(table.dtype)
+    idx = torch.arange(size, device=table.device)
+    return table[idx[:, None] - idx[None, :] + size - 1]
+
+
+class SamAttention(nn.Module):
+    def __init__(self, c: SamConfig, window: int):
+        super().__init__()
+        self.nh, self.hd = c.num_attention_heads, c.head_dim
+        self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size)
+        side = window or c.grid
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, d = x.shape
+        q, k, v = self.qkv(x).view(b, h * w, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        # decomposed relative positions: bias[i, j] = q_i . Rh[row_i - row_j] + q_i . Rw[col_i - col_j]
+        qg = q.reshape(b, self.nh, h, w, self.hd)
+        rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(self.rel_pos_h, h))
+        rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(self.rel_pos_w, w))
+        bias = (rh[..., :, None] + rw[..., None, :]).reshape(b, self.nh, h * w, h * w)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.proj(o.transpose(1, 2).reshape(b, h, w, d))
+
+
+class SamMLP(nn.Module):
+    def __init__(self, c: SamConfig):
+        super().__init__()
+        self.lin1 = nn.Linear(c.hidden_size, c.mlp_dim)
+        self.lin2 = nn.Linear(c.mlp_dim, c.hidden_size)
+
+    def forward(self, x):
+        return self.lin2(F.gelu(self.lin1(x)))
+
+
+class SamBlock(nn.Module):
+    def __init__(self, c: SamConfig, window: int):
+        super().__init__()
+        self.window = window                 # 0: global attention
+        self.norm1 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.attn = SamAttention(c, window)
+        self.norm2 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.mlp = SamMLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, d = x.shape
+        y = self.norm1(x)
+        if self.window:
+            s = self.window
+            ph, pw = -h % s, -w % s
+            # zero padding after the norm, not masked in the attention (as the model was trained)
+            y = F.pad(y, (0, 0, 0, pw, 0, ph))
+            hp, wp = h + ph, w + pw
+            y = y.view(b, hp // s, s, wp // s, s, d).transpose(2, 3).reshape(-1, s, s, d)
+            y = self.attn(y)
+            y = y.view(b, hp // s, wp // s, s, s, d).transpose(2, 3).reshape(b, hp, wp, d)[:, :h, :w]
+        else:
+            y = self.attn(y)
+        x = x + y
+        return x + self.mlp(self.norm2(x))
+
+
+class ChannelLayerNorm(nn.LayerNorm):
+    """LayerNorm over the channels of [B, C, H, W]."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, c: SamConfig):
+        super().__init__()
+        self.proj = nn.Conv2d(c.num_channels, c.hidden_size, c.patch_size, c.patch_size)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """[N, C*P*P] patches -> [N, hidden] (the stride-P conv on a patch is this matmul)."""
+        return F.linear(patches, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)
+
+
+class Sam(nn.Module):
+    def __init__(self, c: SamConfig):
+        super().__init__()
+        self.c = c
+        self.patch_embed = PatchEmbed(c)
+        self.pos_embed = nn.Parameter(torch.zeros(1, c.grid, c.grid, c.hidden_size))
+        self.blocks = nn.ModuleList(SamBlock(c, 0 if i in c.global_attn_indexes else c.window_size)
+                                    for i in range(c.num_hidden_layers))
+        oc, (d1, d2) = c.output_channels, c.downsample_channels
+        self.neck = nn.Sequential(nn.Conv2d(c.hidden_size, oc, 1, bias=False), ChannelLayerNorm(oc, eps=1e-6),
+                                  nn.Conv2d(oc, oc, 3, padding=1, bias=False), ChannelLayerNorm(oc, eps=1e-6))
+        self.net_2 = nn.Conv2d(oc, d1, 3, stride=2, padding=1, bias=False)
+        self.net_3 = nn.Conv2d(d1, d2, 3, stride=2, padding=1, bias=False)
+
+    def positions(self, side: int) -> torch.Tensor:
+        if side == self.pos_embed.shape[1]:
+            return self.pos_embed
+        p = F.interpolate(self.pos_embed.permute(0, 3, 1, 2).float(), size=(side, side), mode="bicubic",
+                          align_corners=False, antialias=True)
+        return p.to(self.pos_embed.dtype).permute(0, 2, 3, 1)
+
+    def forward(self, patches: torch.Tensor, views: int) -> torch.Tensor:
+        """[views * side^2, C*P*P] -> [views, (side/4)^2, encoder width]."""
+        side = int(round((patches.shape[0] // views) ** 0.5))
+        x = self.patch_embed(patches).view(views, side, side, -1) + self.positions(side)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.net_3(self.net_2(self.neck(x.permute(0, 3, 1, 2))))
+        return x.flatten(2).transpose(1, 2)
+
+
+# ------------------------------------------------------------------ Qwen2 encoder
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_tables(n: int, head_dim: int, theta: float, device, dtype):
+    """cos/sin [n, head_dim] over positions 0..n-1 (fp32 math, NeoX halves)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    f = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv
+    f = torch.cat((f, f), -1)
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+def prefix_mask(n_visual: int, n_total: int, device) -> torch.Tensor:
+    """bool [n, n], True where query i may attend key j: the visual prefix attends within itself
+    in both directions, every later token (a query) causally, which covers the whole prefix."""
+    i = torch.arange(n_total, device=device)
+    causal = i[None, :] <= i[:, None]
+    both_visual = (i[:, None] < n_visual) & (i[None, :] < n_visual)
+    return causal | both_visual
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Projections(nn.Module):
+    """q/k/v/o projections of one attention (the checkpoints' ``self_attn.*``)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, qkv_bias: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c: EncoderConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Projections(c.hidden_size, self.nh, self.nkv, self.hd, qkv_bias=True)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, cos, sin, mask):
+        b, n, _ = x.shape
+        y, a = self.input_layernorm(x), self.self_attn
+        q = rotate(a.q_proj(y).view(b, n, self.nh, self.hd).transpose(1, 2), cos, sin)
+        k = rotate(a.k_proj(y).view(b, n, self.nkv, self.hd).transpose(1, 2), cos, sin)
+        v = a.v_proj(y).view(b, n, self.nkv, self.hd).transpose(1, 2)
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QueryEncoder(nn.Module):
+    def __init__(self, c: EncoderConfig):
+        super().__init__()
+        self.c = c
+        self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, visual: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """[B, V, d] visual tokens + [Q, d] queries -> [B, Q, d] query outputs."""
+        b, nv, _ = visual.shape
+        x = torch.cat([visual, queries.to(visual.dtype).expand(b, -1, -1)], 1)
+        n = x.shape[1]
+        cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, x.dtype)
+        mask = prefix_mask(nv, n, x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)[:, nv:]
+
+
+# ------------------------------------------------------------------ the tower
+class DeepseekOCR2Vision(nn.Module):
+    """Packed patches [N, C*P*P] (+ metadata) -> embedding rows [sum(out_split_sizes), text width]."""
+
+    def __init__(self, cfg: DeepseekOCR2Config):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.encoder.hidden_size
+        self.sam = Sam(cfg.sam)
+        self.encoder = QueryEncoder(cfg.encoder)
+        self.query_1024 = nn.Embedding(cfg.global_queries, d)
+        self.query_768 = nn.Embedding(cfg.crop_queries, d)
+        self.projector = nn.Linear(d, cfg.text.hidden_size)
+        self.view_separator = nn.Parameter(torch.zeros(cfg.text.hidden_size))
+
+    def encode_views(self, patches: torch.Tensor, views: int, is_global: bool) -> torch.Tensor:
+        """One group of same-size views -> [views, queries, text width]."""
+        q = self.query_1024.weight if is_global else self.query_768.weight
+        return self.projector(self.encoder(self.sam(patches, views), q))
+
+    def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution | None = None):
+        x = pixel_values.reshape(pixel_values.shape[0], -1).to(self.projector.weight.dtype)
+        parts = x.split(meta.view_sizes)
+        glob = [p for p, g in zip(parts, meta.view_is_global) if g]
+        crops = [p for p, g in zip(parts, meta.view_is_global) if not g]
+        g_rows = self.encode_views(torch.cat(glob), len(glob), True)
+        c_rows = self.encode_views(torch.cat(crops), len(crops), False) if crops else None
+        sep = self.view_separator.to(g_rows.dtype)[None]
+        out, c0 = [], 0
+        for i, n in enumerate(meta.crops):
+            if n:
+                out.append(c_rows[c0:c0 + n].reshape(-1, g_rows.shape[-1]))
+                c0 += n
+            out += [g_rows[i], sep]
+        return torch.cat(out)
