@@ -263,6 +263,20 @@ def test_two_workers_on_one_manifest_give_the_bytes_of_one(tmp_path, layout_dir,
     assert status(out) == {"done": 4, "failed": 0, "pending": 0, "input_errors": 0}
 
 
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc), deepest first."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found += _children(int(entry.name)) + [int(entry.name)]
+    return found
+
+
 def test_a_stopped_workers_expired_lease_is_redone_and_its_late_commit_refused(tmp_path, layout_dir, synthetic_pdf,
                                                                                 reference_run):
     """--workers 2 with one page per lease; worker 0 stops itself (SIGSTOP) before its first
@@ -283,10 +297,18 @@ def test_a_stopped_workers_expired_lease_is_redone_and_its_late_commit_refused(t
                 expired.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert expired.wait(110), "".join(lines)[-3000:]
-    pid = int(re.search(r"worker 0 \(pid (\d+)\): stopping itself", "".join(lines)).group(1))
-    os.kill(pid, signal.SIGCONT)          # the stale worker wakes up and sends its result
-    proc.wait(timeout=110)
+    try:
+        # the worker stops with half a message in its pipe: the coordinator must not hang on it
+        assert expired.wait(110), "".join(lines)[-3000:]
+        pid = int(re.search(r"worker 0 \(pid (\d+)\): stopping itself", "".join(lines)).group(1))
+        os.kill(pid, signal.SIGCONT)          # the stale worker wakes up and sends the rest of its result
+        proc.wait(timeout=110)
+    finally:
+        if proc.poll() is None:               # a failed check leaves no run (or its stopped worker) behind
+            for child in _children(proc.pid):
+                os.kill(child, signal.SIGKILL)
+            proc.kill()
+            proc.wait(timeout=30)
     reader.join(timeout=10)
     log = "".join(lines)
     assert proc.returncode == 0, log[-3000:]

@@ -16,7 +16,7 @@ timeout before it sends what it gathered), sends all of the group's blocks at on
 the next group only when every block has returned (the longest block of each group stalls it).
 Both drive one engine, so the device, the kernels and the batch limits are the same.
 
-Printed: pages/s, blocks/s, output tokens/s, GPU busy (the runner's NVML reader; n/a on the CPU),
+Printed: pages/s, blocks/s, output tokens/s, GPU busy (the runner's utilization reader; n/a on the CPU),
 the stage breakdown (render, layout, VLM prefill / decode, assemble, engine idle), peak host RSS
 and peak device memory, and ours / baseline. ``--stub-vlm``: no VLM at all (every block's text is
 a stub): the CPU stages' page rate alone. Nothing here asserts a time.

@@ -96,7 +96,7 @@ class DocumentParser:
 
     @property
     def gpu_reader(self):
-        """The VLM runner's busy-% reader (NVML on CUDA), None where the backend has none."""
+        """The VLM runner's busy-% reader (the backend's own, e.g. on CUDA), None where the backend has none."""
         if not hasattr(self, "_gpu_read"):
             engine = self._models[2] if self._models else None
             make = getattr(getattr(engine, "runner", None), "utilization_reader", None)

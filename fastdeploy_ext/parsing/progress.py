@@ -5,7 +5,7 @@
      "blocks_per_s": 30.1, "output_tokens_per_s": 410.0, "gpu_busy_pct": 93.0, "eta_s": 7.5, "elapsed_s": 5.0}
 
 and a last line with ``"event": "done"`` when the run ends. GPU busy is the runner's
-utilization reader (NVML on CUDA) sampled at each report; null where the backend cannot tell.
+utilization reader (the backend's, where it has one) sampled at each report; null where the backend cannot tell.
 """
 from __future__ import annotations
 

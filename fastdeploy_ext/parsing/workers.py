@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
+import struct
 import threading
 import time
-from multiprocessing.connection import wait as wait_conns
 from typing import Iterator
 
 from .pipeline import PageJob, PageOutcome
@@ -53,6 +54,25 @@ class _Link:
         with self.lock:
             self.conn.send(msg)
 
+    def send_stopping_halfway(self, msg) -> None:
+        """The fault injection's worst moment: the process stops (SIGSTOP) with half of the
+        message's frame in the pipe (Connection's framing: a 4-byte big-endian length, then the
+        pickle), and writes the rest when it is continued (SIGCONT)."""
+        from multiprocessing.reduction import ForkingPickler
+        payload = bytes(ForkingPickler.dumps(msg))
+        frame = struct.pack("!i", len(payload)) + payload
+        with self.lock:
+            fd, half = self.conn.fileno(), len(frame) // 2
+            _write_all(fd, frame[:half])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            _write_all(fd, frame[half:])
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
 
 class _LinkSink:
     """The worker's pipeline sink: results go to the coordinator, which commits or refuses."""
@@ -66,8 +86,9 @@ class _LinkSink:
             self.stop_once = False
             log.warning("parse worker %d (pid %d): stopping itself before its first commit (%s)", self.index,
                         os.getpid(), STOP_BEFORE_COMMIT_ENV)
-            os.kill(os.getpid(), signal.SIGSTOP)
-        self.link.send(("commit", job.lease, job.work, result, 0))
+            self.link.send_stopping_halfway(("commit", job.lease, job.work, result, 0))
+        else:
+            self.link.send(("commit", job.lease, job.work, result, 0))
         self._page_left(job)
         return True
 
@@ -99,7 +120,7 @@ def worker_main(index: int, opts, conn, device: int | None, log_level: int) -> N
         stop = threading.Event()
 
         make = getattr(getattr(engine, "runner", None), "utilization_reader", None)
-        busy = make() if callable(make) else None     # NVML on CUDA; None on the CPU
+        busy = make() if callable(make) else None     # the backend's busy reader; None on the CPU
 
         def renew_loop():
             # renewals every ttl/3 at most; the device's busy % (for the coordinator's progress)
@@ -168,6 +189,7 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
         on_start(todo)
     ctx = mp.get_context("spawn")
     workers: list[_Worker] = []
+    inbox: queue.Queue = queue.Queue()   # (worker, message | None at its pipe's end), from the readers
     payload = replace(opts, workers=1, gpus=None)
     level = logging.getLogger().getEffectiveLevel()
     cap = max(1, -(-opts.max_pages_in_flight // opts.lease_pages))      # leases a worker may hold
@@ -179,7 +201,9 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
             proc = ctx.Process(target=worker_main, args=(i, payload, child, device, level), name=f"fdx-parse-worker-{i}")
             proc.start()
             child.close()
-            workers.append(_Worker(i, proc, parent))
+            w = _Worker(i, proc, parent)
+            workers.append(w)
+            threading.Thread(target=_read_into, args=(w, inbox), name=f"fdx-parse-read-{i}", daemon=True).start()
             log.info("parse: worker %d started (pid %d%s)", i, proc.pid,
                      f", CUDA device {device}" if device is not None else "")
         started = time.monotonic()
@@ -212,16 +236,20 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
                 if left <= 0:
                     raise RuntimeError("parse: a worker did not start in time (see its log lines above)")
                 timeout = left if timeout is None else min(timeout, left)
-            ready = wait_conns([w.conn for w in live], timeout)
+            arrived = []
+            try:
+                arrived.append(inbox.get(timeout=timeout))
+                while True:
+                    arrived.append(inbox.get_nowait())
+            except queue.Empty:
+                pass
             for lease in table.expire():
                 log.warning("parse: lease %d of %s expired (token %d, %d pages, attempt %d): its pages go to "
                             "another worker", lease.lease_id, lease.worker, lease.token, len(lease.keys), lease.attempt)
-            for w in live:
-                if w.conn not in ready:
+            for w, msg in arrived:
+                if w.done:
                     continue
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):
+                if msg is None:
                     _lost(w)
                     continue
                 kind = msg[0]
@@ -272,6 +300,19 @@ def run_workers(opts, inputs: list[str], owner=None, on_start=None) -> Iterator[
         if owner is not None:
             owner.workspace_status = ws.status()
         ws.close()
+
+
+def _read_into(w: _Worker, inbox: queue.Queue) -> None:
+    """One thread per worker does the blocking reads: a worker stopped (SIGSTOP, a debugger)
+    half-way through a send leaves a partial message in its pipe, and a recv() on it would hang
+    the coordinator and with it every other worker's commits and the lease expiries."""
+    while True:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            inbox.put((w, None))
+            return
+        inbox.put((w, msg))
 
 
 def _send(w: _Worker, msg) -> None:
