@@ -16,7 +16,11 @@ def transformers_config(cfg):
     from ..pp_doclayout_v3.reference import transformers_config as v3_config
     v3 = v3_config(cfg).to_dict()                  # the shared detector's fields, backbone included
     ro = {f.name: getattr(cfg.reading_order, f.name) for f in dataclasses.fields(cfg.reading_order)}
-    keep = {k: v for k, v in v3.items() if k not in ("model_type", "transformers_version", "architectures")}
+    for key in ("relation_bias_theta", "relation_bias_scale"):      # int fields there
+        ro[key] = int(ro[key])
+    # V2's own fields are set below (the V3 config carried them along as plain attributes)
+    drop = ("model_type", "transformers_version", "architectures", "reading_order", "class_thresholds", "class_order")
+    keep = {k: v for k, v in v3.items() if k not in drop}
     return PPDocLayoutV2Config(**(keep | {"reading_order_config": ro, "class_thresholds": list(cfg.class_thresholds),
                                           "class_order": list(cfg.class_order)}))
 
