@@ -445,3 +445,30 @@ def test_the_threshold_margin_check_fires():
     assert check_threshold_margin(logits, [0.5, 0.5], 1e-3) == pytest.approx(torch.sigmoid(torch.tensor(0.5)) - 0.5)
     with pytest.raises(AssertionError, match="from its class threshold"):
         check_threshold_margin(logits, [float(torch.sigmoid(torch.tensor(2.0))) + 1e-5, 0.5], 1e-3)
+
+
+# ---------------------------------------------------------------------------------- bucket graphs
+def test_v2s_forward_replays_per_bucket_with_each_real_page_its_eager_outputs(ours):
+    """detector_graphs.py on V2's forward (threshold selection, kept-first sort, reading-order
+    network: all per page), through a device API whose graph re-runs the captured call into its
+    static outputs: 7 pages as a bucket of 4 and 3 padded with a zero page to 4, each real page
+    with its eager outputs (bitwise against the same padded buffer), no masks."""
+    from fastdeploy_ext.detector_graphs import DetectorGraphs
+
+    from .test_detector_graphs import _HostGraphAPI
+    model = ours[0]
+    runner = type("R", (), {})()
+    runner.device_api, runner.detector, runner.device, runner.dtype = (_HostGraphAPI(CPU), model, CPU, torch.float32)
+    graphs = DetectorGraphs(runner, (1, 2, 4), (fx.IMAGE, fx.IMAGE))
+    assert graphs.capture().captured == 3
+    pixels = torch.rand(7, 3, fx.IMAGE, fx.IMAGE, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = graphs.run(pixels)
+        want = model(pixels)
+        padded = graphs.graphs[4].eager()
+    assert graphs.stats.per_bucket == {4: 2} and graphs.stats.padded_pages == 1
+    for name in OUTPUTS:
+        assert getattr(got, name).shape[0] == 7, name
+        assert max_err(getattr(want, name), getattr(got, name)) <= 1e-5, name
+        assert torch.equal(getattr(got, name)[4:], getattr(padded, name)[:3]), name
+    assert got.out_masks is None
