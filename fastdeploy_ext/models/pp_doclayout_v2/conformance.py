@@ -40,9 +40,12 @@ REGENERATE = "regenerate with `python -m fastdeploy_ext.models.pp_doclayout_v2.c
 def live_outputs(model_dir, pixels: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
     """transformers' PPDocLayoutV2ForObjectDetection on ``device`` (fp32): its outputs on the CPU.
     ImportError where transformers is not installed."""
+    from ...ops.precision import fp32_convolutions
     from .reference import from_pretrained
     ref = from_pretrained(str(model_dir)).to(device)
-    with torch.no_grad():
+    # fp32 as ours runs it: cuDNN's TF32 convolutions (on by default on CUDA) would be the
+    # reference's error, not ours
+    with torch.no_grad(), fp32_convolutions(device, torch.float32):
         out = ref(pixel_values=pixels.to(device))
     return {k: getattr(out, k).detach().float().cpu().contiguous() for k in OUTPUTS}
 
