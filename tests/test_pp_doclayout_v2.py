@@ -472,3 +472,18 @@ def test_v2s_forward_replays_per_bucket_with_each_real_page_its_eager_outputs(ou
         assert max_err(getattr(want, name), getattr(got, name)) <= 1e-5, name
         assert torch.equal(getattr(got, name)[4:], getattr(padded, name)[:3]), name
     assert got.out_masks is None
+
+
+def test_the_suite_runs_v2_alone_by_its_option():
+    """``--fdx-detector-family pp_doclayout_v2`` registers V2's case as the detector tests' one parameter."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "fastdeploy_ext.conformance.test_detector", "--fdx-backend", "cpu", "-k", "plan_decides",
+                        "--fdx-detector-family", "pp_doclayout_v2", "-rA"], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "PASSED fastdeploy_ext/conformance/test_detector.py::test_the_plan_decides_every_detector_component" \
+           "[pp_doclayout_v2]" in r.stdout, r.stdout[-3000:]
+    assert "[pp_doclayout_v3]" not in r.stdout and "detector=pp_doclayout_v2 " in r.stdout
