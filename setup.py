@@ -14,6 +14,7 @@ setup(
     # fastdeploy_ext/conformance/references.py): the suite runs without transformers. Each backend
     # ships its capability rows next to its runner (fastdeploy_ext/capabilities.py).
     package_data={"fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"],
+                  "fastdeploy_ext.models.pp_doclayout_v2": ["reference_data/*"],
                   "backends.cuda": ["capabilities.yaml"], "backends.metax": ["capabilities.yaml"],
                   "backends.cpu_amx": ["capabilities.yaml"]},
     install_requires=[

@@ -385,12 +385,18 @@ class TorchRunner(DeviceRunner):
         cfg = family.default_config() if src is None else family.read_config(src)
         components = family.components(cfg)
         if self._replan is not None:
-            self.plan = self._replan(components)
+            plan = self._replan(components)
         else:
             self._check_head_dim(components)
-            self.plan = dataclasses.replace(self.plan, components=components)
+            plan = dataclasses.replace(self.plan, components=components)
         if masks is not None:
-            self.plan = dataclasses.replace(self.plan, detector_masks=resolve_detector_masks(bool(masks), True))
+            plan = dataclasses.replace(plan, detector_masks=resolve_detector_masks(bool(masks), True))
+        if plan.detector_masks.value and not family.supports_masks:
+            # refused before the runner's plan changes or a weight is read
+            how = "masks=True" if masks else "the plan's request (detector_masks)"
+            raise ValueError(f"detector family {family.name} has no mask head: masks cannot be computed "
+                             f"(asked by {how}); load it with masks off")
+        self.plan = plan
         self.dtype = DTYPE_BY_NAME[self.plan.dtype.value]
         model, report = family.load_detector(src, dtype=self.dtype, device=self.device, cfg=cfg)
         self._set_detector_kernels(model)

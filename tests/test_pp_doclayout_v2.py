@@ -283,8 +283,30 @@ def test_the_runner_detects_with_v2_and_refuses_masks(tiny, outputs):
     expect = detections(want.logits, want.pred_boxes, want.order_logits, sizes, RELEASED_LABELS, threshold=0.5)
     assert [[(d.label, d.order) for d in p] for p in got] == [[(d.label, d.order) for d in p] for p in expect]
     assert "masks off" in runner.describe()
-    with pytest.raises(ValueError, match="PP-DocLayoutV2 has no mask head"):
-        runner.load_detector(str(path), masks=True)
+
+
+def test_masks_are_refused_before_any_weight_is_read(tiny, monkeypatch):
+    """Asked by the call or by the plan's request, the runner refuses a family without a mask head
+    before the plan changes or the family's loader runs."""
+    from fastdeploy_ext.models.pp_doclayout_v2.family import PPDocLayoutV2Family
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import get_backend_class
+
+    def no_load(*a, **kw):
+        raise AssertionError("weights read before the masks were refused")
+    monkeypatch.setattr(PPDocLayoutV2Family, "load_detector", no_load)
+    runner = _cpu_runner()
+    plan = runner.plan
+    with pytest.raises(ValueError, match=r"pp_doclayout_v2 has no mask head.*asked by masks=True"):
+        runner.load_detector(str(tiny[0]), masks=True)
+    assert runner.plan is plan and runner.detector is None
+    asked = get_backend_class("cpu").create(PlanRequest(device="cpu", dtype="float32", detector_masks=True))
+    with pytest.raises(ValueError, match=r"no mask head.*asked by the plan's request"):
+        asked.load_detector(None, load_format="dummy", model_family="pp_doclayout_v2")
+    # the guard itself: without it, the loader would run (and the module's setter refuse after it)
+    monkeypatch.setattr(PPDocLayoutV2Family, "supports_masks", True)
+    with pytest.raises(AssertionError, match="weights read before"):
+        runner.load_detector(str(tiny[0]), masks=True)
 
 
 def test_the_detector_api_and_the_cli_pick_v2_from_config_json(tiny, tmp_path, capsys):
@@ -352,3 +374,116 @@ def test_a_stable_rank_sort_in_the_postprocessing_departs_from_transformers(outp
     dets = detections(got.logits, got.pred_boxes, got.order_logits, sizes, RELEASED_LABELS, threshold=0.5)
     monkeypatch.undo()
     assert [[d.label_id for d in page] for page in dets] != [p["labels"].tolist() for p in expect]
+
+
+# ---------------------------------------------------------------------------------- the conformance fixture
+@pytest.fixture(scope="module")
+def v2_case():
+    from fastdeploy_ext.models.pp_doclayout_v2.conformance import PPDocLayoutV2Conformance
+    fixture = PPDocLayoutV2Conformance("")
+    return fixture, fixture.detect_case()
+
+
+def test_the_fixtures_shipped_and_live_references_agree_on_the_cpu(v2_case):
+    """On the CPU (the shipped outputs' sort) both references are there and agree; the seed's top-k
+    margin and the thresholds' margin hold; the goldens keep detections on both pages."""
+    from fastdeploy_ext.conformance.detector_checks import check_outputs, check_topk_margin
+    from fastdeploy_ext.models.pp_doclayout_v2 import tiny as v2tiny
+    _, case = v2_case
+    refs = case.expected(CPU)
+    assert set(refs) == {"shipped", "live"}
+    check_outputs(SimpleOutputs(refs["live"]), refs["shipped"], case.tolerance)
+    check_topk_margin(refs["live"]["enc_outputs_class"], case.num_queries, case.topk_margin)
+    kept = v2tiny.kept_counts(refs["live"]["logits"], v2tiny.THRESHOLDS)
+    assert all(0 < n < case.num_queries for n in kept)          # the network sees boxes and padding
+    assert case.goldens(CPU) == case.golden and all(len(p) > 0 for p in case.golden)
+
+
+class SimpleOutputs:
+    def __init__(self, d):
+        self.__dict__.update(d)
+
+
+def test_another_sort_breaks_the_shipped_reference_and_the_live_one_follows_it(v2_case, monkeypatch):
+    """What a device whose sort orders ties otherwise (CUDA's stable radix sort) does to V2: our
+    outputs leave the CPU-made shipped reference, and the live reference, computed with the same
+    sort, still matches them: why the fixture computes it on the device under test."""
+    from fastdeploy_ext.conformance.detector_checks import check_outputs
+    from fastdeploy_ext.models.pp_doclayout_v2.conformance import PPDocLayoutV2Conformance
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import get_backend_class
+    _, case = v2_case
+    real = torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda t, **kw: real(t, **(kw | {"stable": True})))
+    runner = get_backend_class("cpu").create(PlanRequest(device="cpu", dtype="float32"))
+    runner.load_detector(str(case.model_dir))
+    got = runner.detect_device(case.pixels)
+    fresh = PPDocLayoutV2Conformance("")               # no live reference cached from the real sort
+    refs = fresh.expected(CPU)
+    with pytest.raises(AssertionError, match="order_logits: max abs error"):
+        check_outputs(got, refs["shipped"], case.tolerance, "shipped")
+    check_outputs(got, refs["live"], case.tolerance, "live")
+
+
+def test_without_transformers_only_host_devices_have_a_reference(v2_case, monkeypatch):
+    from fastdeploy_ext.models.pp_doclayout_v2 import conformance as v2conf
+
+    def absent(*a, **kw):
+        raise ImportError("transformers blocked")
+    monkeypatch.setattr(v2conf, "live_outputs", absent)
+    fresh = v2conf.PPDocLayoutV2Conformance("")
+    assert set(fresh.expected(CPU)) == {"shipped"}
+    assert fresh.golden_for(CPU) == v2_case[1].golden
+    for call in (fresh.expected, fresh.golden_for):
+        with pytest.raises(AssertionError, match="no PP-DocLayoutV2 (reference|goldens) (is|are) valid on cuda"):
+            call(torch.device("cuda"))
+
+
+def test_the_threshold_margin_check_fires():
+    from fastdeploy_ext.models.pp_doclayout_v2.conformance import check_threshold_margin
+    logits = torch.tensor([[[2.0, -1.0], [-3.0, 0.5]]])
+    assert check_threshold_margin(logits, [0.5, 0.5], 1e-3) == pytest.approx(torch.sigmoid(torch.tensor(0.5)) - 0.5)
+    with pytest.raises(AssertionError, match="from its class threshold"):
+        check_threshold_margin(logits, [float(torch.sigmoid(torch.tensor(2.0))) + 1e-5, 0.5], 1e-3)
+
+
+# ---------------------------------------------------------------------------------- bucket graphs
+def test_v2s_forward_replays_per_bucket_with_each_real_page_its_eager_outputs(ours):
+    """detector_graphs.py on V2's forward (threshold selection, kept-first sort, reading-order
+    network: all per page), through a device API whose graph re-runs the captured call into its
+    static outputs: 7 pages as a bucket of 4 and 3 padded with a zero page to 4, each real page
+    with its eager outputs (bitwise against the same padded buffer), no masks."""
+    from fastdeploy_ext.detector_graphs import DetectorGraphs
+
+    from .test_detector_graphs import _HostGraphAPI
+    model = ours[0]
+    runner = type("R", (), {})()
+    runner.device_api, runner.detector, runner.device, runner.dtype = (_HostGraphAPI(CPU), model, CPU, torch.float32)
+    graphs = DetectorGraphs(runner, (1, 2, 4), (fx.IMAGE, fx.IMAGE))
+    assert graphs.capture().captured == 3
+    pixels = torch.rand(7, 3, fx.IMAGE, fx.IMAGE, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = graphs.run(pixels)
+        want = model(pixels)
+        padded = graphs.graphs[4].eager()
+    assert graphs.stats.per_bucket == {4: 2} and graphs.stats.padded_pages == 1
+    for name in OUTPUTS:
+        assert getattr(got, name).shape[0] == 7, name
+        assert max_err(getattr(want, name), getattr(got, name)) <= 1e-5, name
+        assert torch.equal(getattr(got, name)[4:], getattr(padded, name)[:3]), name
+    assert got.out_masks is None
+
+
+def test_the_suite_runs_v2_alone_by_its_option():
+    """``--fdx-detector-family pp_doclayout_v2`` registers V2's case as the detector tests' one parameter."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "fastdeploy_ext.conformance.test_detector", "--fdx-backend", "cpu", "-k", "plan_decides",
+                        "--fdx-detector-family", "pp_doclayout_v2", "-rA"], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "PASSED fastdeploy_ext/conformance/test_detector.py::test_the_plan_decides_every_detector_component" \
+           "[pp_doclayout_v2]" in r.stdout, r.stdout[-3000:]
+    assert "[pp_doclayout_v3]" not in r.stdout and "detector=pp_doclayout_v2 " in r.stdout

@@ -1,11 +1,12 @@
-"""`fastdeploy-ext bench detect`: our layout detector (PP-DocLayoutV3 on the runner's plan:
-kernels, graphs, dtype) against transformers' PPDocLayoutV3ForObjectDetection with the same
-weights on the same pixels, per batch size (default 1, 8 and 32), in one run: ms per batch and
+"""`fastdeploy-ext bench detect`: our layout detector (PP-DocLayoutV3, or ``--model-family
+pp_doclayout_v2``, on the runner's plan: kernels, graphs, dtype) against the family's
+transformers model (``transformers_reference``) with the same weights on the same pixels, per batch size (default 1, 8 and 32), in one run: ms per batch and
 pages/s side by side with the ratios.
 
 Same outputs on both sides: transformers' forward always computes the mask outputs (of every
 decoder layer; it has no switch to skip them), so the comparison runs ours with masks on as
-well (the model's returned ``out_masks``; its graphs are captured that way). ``--masks off``
+well (the model's returned ``out_masks``; its graphs are captured that way); a family without a
+mask head (PP-DocLayoutV2: neither side computes masks) runs with them off. ``--masks off``
 times ours as parsing runs it (no masks) and says so in the table: the reference still computes
 them, so that ratio compares different outputs.
 
@@ -32,7 +33,10 @@ COLUMNS = ("batch", "ours_ms", "ref_ms", "speedup", "ours_pages_s", "ref_pages_s
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, help="a PP-DocLayoutV3 checkpoint directory (save_pretrained layout)")
+    p.add_argument("--model", default=None, help="a detector checkpoint directory (save_pretrained layout)")
+    p.add_argument("--model-family", default=None,
+                   help="the detector family (default: config.json's model_type, or pp_doclayout_v3 with --load-format "
+                        "dummy)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: the full default config with random weights (no checkpoint)")
     p.add_argument("--device", default="auto")
@@ -41,9 +45,10 @@ def add_arguments(p) -> None:
                    help="comma list of pages per batch (default 1,8,32)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--masks", choices=("on", "off"), default="on",
-                   help="on (default): both sides compute the mask outputs; off: ours without them (the "
-                        "reference cannot skip them: the ratio then compares different outputs)")
+    p.add_argument("--masks", choices=("auto", "on", "off"), default="auto",
+                   help="auto (default): on where the family has a mask head (both sides compute the mask outputs), "
+                        "else off on both sides; on; off: ours without them (a reference with a mask head cannot "
+                        "skip them: the ratio then compares different outputs)")
     p.add_argument("--threshold", type=float, default=0.5, help="score threshold of the detections check")
     p.add_argument("--no-reference", action="store_true", help="ours only (no transformers)")
     p.add_argument("--json-out", default=None, help="write the results as JSON here")
@@ -52,12 +57,13 @@ def add_arguments(p) -> None:
 @dataclass(frozen=True)
 class DetectBenchOptions:
     model: str | None
+    model_family: str | None
     device: str
     dtype: str
     batch_sizes: tuple[int, ...]
     iters: int
     warmup: int
-    masks: bool
+    masks: bool | None              # None: auto (the family's mask head decides)
     threshold: float
     reference: bool
     json_out: str | None
@@ -77,8 +83,9 @@ def options_from_args(args) -> DetectBenchOptions:
     model = None if args.load_format == "dummy" else args.model
     if model is None and args.load_format != "dummy":
         raise BenchError("bench detect needs --model DIR or --load-format dummy")
-    return DetectBenchOptions(model, args.device, args.dtype, sizes, args.iters, args.warmup, args.masks == "on",
-                              args.threshold, not args.no_reference, args.json_out)
+    masks = {"auto": None, "on": True, "off": False}[args.masks]
+    return DetectBenchOptions(model, getattr(args, "model_family", None), args.device, args.dtype, sizes, args.iters,
+                              args.warmup, masks, args.threshold, not args.no_reference, args.json_out)
 
 
 # ------------------------------------------------------------------ the reference
@@ -115,12 +122,18 @@ def same_detections(ours, theirs, score_tol: float = 1e-3) -> bool:
 
 
 def run(opts: DetectBenchOptions) -> dict:
+    from ..models.registry import DEFAULT_DETECTOR_FAMILY, detect_family
     from ..plan import PlanRequest
     from ..runner import create_runner
-    runner = create_runner(PlanRequest(device=opts.device, dtype=opts.dtype, detector_masks=opts.masks))
+    family = detect_family(opts.model, opts.model_family or (DEFAULT_DETECTOR_FAMILY if opts.model is None else None)
+                           ).family
+    masks = family.supports_masks if opts.masks is None else opts.masks
+    if masks and not family.supports_masks:
+        raise BenchError(f"--masks on: detector family {family.name} has no mask head")
+    runner = create_runner(PlanRequest(device=opts.device, dtype=opts.dtype, detector_masks=masks))
     if not hasattr(runner, "load_detector"):
         raise BenchError(f"runner {runner.name} has no detector path")
-    runner.load_detector(opts.model, load_format="dummy" if opts.model is None else "auto")
+    runner.load_detector(opts.model, load_format="dummy" if opts.model is None else "auto", model_family=family.name)
     graphs = runner.capture_detector_graphs()
     size = runner.detector_input_size()
     ref = load_reference(opts, runner) if opts.reference else None
@@ -128,7 +141,9 @@ def run(opts: DetectBenchOptions) -> dict:
     pages = make_pages(max(opts.batch_sizes), size)
     fam, cfg = runner.detector_family, runner.detector_cfg
     result = {"device": str(dev), "row": runner.plan.row, "dtype": str(runner.dtype).removeprefix("torch."),
-              "input": list(size), "masks": "on (both sides)" if opts.masks else "off in ours only (the reference computes them)",
+              "family": fam.name, "input": list(size),
+              "masks": ("on (both sides)" if masks else "off on both sides (the family has no mask head)"
+                        if not fam.supports_masks else "off in ours only (the reference computes them)"),
               "graphs": list(runner.plan.detector_graphs.value) or f"off ({graphs.reason})",
               "model": opts.model or "dummy (default config, random weights)", "rows": []}
     b0 = min(opts.batch_sizes)
@@ -157,7 +172,7 @@ def run(opts: DetectBenchOptions) -> dict:
 def format_table(result: dict) -> str:
     def cell(v):
         return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
-    head = [f"bench detect: {result['model']} on {result['device']} (row {result['row']}), {result['dtype']}, "
+    head = [f"bench detect: {result['family']} {result['model']} on {result['device']} (row {result['row']}), {result['dtype']}, "
             f"input {result['input'][0]}x{result['input'][1]}, masks {result['masks']}, graphs {result['graphs']}"]
     if "same_detections" in result:
         head.append(f"same detections as the reference: {result['same_detections']} ({result['detections_checked']}; "

@@ -91,10 +91,10 @@ def batch_for(encode_case):
 
 @pytest.fixture(scope="session")
 def detect_case(request):
-    """The detector family's parity case (``--fdx-detector-family``, default the default
-    detector family): tiny checkpoint, pixels, reference outputs, goldens."""
+    """The detector family's parity case (``--fdx-detector-family``: test_detector.py runs each
+    of its families as a parameter): tiny checkpoint, pixels, reference outputs, goldens."""
     from .plugin import detector_fixture_of
-    fx, error = detector_fixture_of(request.config)
+    fx, error = detector_fixture_of(request.config, getattr(request, "param", None))
     if fx is None:
         pytest.fail(f"detector family: {error}")
     return fx.detect_case()

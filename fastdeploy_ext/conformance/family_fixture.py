@@ -105,13 +105,20 @@ class DetectCase:
     sizes: list[tuple[int, int]]                         # each page's (height, width)
     num_queries: int
     threshold: float
-    expected: Callable[[], dict[str, dict[str, torch.Tensor]]]   # source -> output name -> fp32 tensor
+    #: expected(device under test) -> source -> output name -> fp32 tensor (a family whose reference
+    #: outputs depend on the device, e.g. through an unstable sort, computes them there)
+    expected: Callable[[torch.device], dict[str, dict[str, torch.Tensor]]]
     golden: list[list[dict]]                             # per page: label, label_id, score, bbox, order
     tolerance: float = 1e-4                              # max abs error of every output (fp32)
     #: transformers' own post-processing of the reference outputs, per page {labels, scores, boxes},
     #: where it was available when the goldens were made (it needs torchvision); None: not recorded
     reference_postprocess: list[dict] | None = None
     topk_margin: float = 1e-3                            # the encoder's k-th vs k+1-th score, at least
+    #: golden_for(device) -> the goldens valid on that device (None: ``golden`` holds everywhere)
+    golden_for: Callable[[torch.device], list[list[dict]]] | None = None
+
+    def goldens(self, device: torch.device) -> list[list[dict]]:
+        return self.golden if self.golden_for is None else self.golden_for(device)
 
 
 class DetectorConformanceFixture(ABC):

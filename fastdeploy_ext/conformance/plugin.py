@@ -51,34 +51,46 @@ def family_option(config) -> str:
     return config.getoption("--fdx-family") or DEFAULT_FAMILY
 
 
+#: the detector families the default VLM family pairs with: PaddleOCR-VL-1.5/1.6's PP-DocLayoutV3
+#: and the original PaddleOCR-VL's PP-DocLayoutV2
+PIPELINE_DETECTOR_FAMILIES = "pp_doclayout_v3,pp_doclayout_v2"
+
+
+def detector_families_option(config) -> tuple[str, ...]:
+    """The detector families the detector tests run, each as a parameter of them (empty: none).
+    ``--fdx-detector-family`` takes a comma list. Default: the detector families of the default
+    VLM family's pipelines alongside it; a run for another VLM family (e.g. an out-of-tree one)
+    runs none unless --fdx-detector-family names some."""
+    from ..models.registry import DEFAULT_FAMILY
+    names = config.getoption("--fdx-detector-family")
+    if names is None:
+        names = PIPELINE_DETECTOR_FAMILIES if family_option(config) == DEFAULT_FAMILY else "none"
+    return tuple(n for n in (x.strip() for x in names.split(",")) if n and n != "none")
+
+
 def detector_family_option(config) -> str | None:
-    """The detector family the detector tests run (None: none). Default: the default detector
-    family alongside the default VLM family (the pipeline they form); a run for another VLM
-    family (e.g. an out-of-tree one) runs none unless --fdx-detector-family names one."""
-    from ..models.registry import DEFAULT_DETECTOR_FAMILY, DEFAULT_FAMILY
-    name = config.getoption("--fdx-detector-family")
-    if name is None:
-        name = DEFAULT_DETECTOR_FAMILY if family_option(config) == DEFAULT_FAMILY else "none"
-    return None if name == "none" else name
+    """The detector families as one name for the report lines (None: none)."""
+    return ",".join(detector_families_option(config)) or None
 
 
-def detector_fixture_of(config):
+def detector_fixture_of(config, name: str | None = None):
     """(the detector family's DetectorConformanceFixture, None) or (None, why not), made once
-    per session (it points at shipped references: no work dir)."""
-    if not hasattr(config, "_fdx_detector_fixture"):
+    per session and family (``name``; default the first of the option's)."""
+    cache = config.__dict__.setdefault("_fdx_detector_fixtures", {})
+    name = name or (detector_families_option(config) or ("none",))[0]
+    if name not in cache:
         from ..models.interface import DetectorFamily
         from ..models.registry import get_family
         from .family_fixture import DetectorConformanceFixture
-        name = detector_family_option(config)
         try:
             family = get_family(name)
         except ValueError as e:
-            config._fdx_detector_fixture = (None, str(e))
-            return config._fdx_detector_fixture
+            cache[name] = (None, str(e))
+            return cache[name]
         fx = family.conformance_fixture("") if isinstance(family, DetectorFamily) else None
-        config._fdx_detector_fixture = (fx, None) if isinstance(fx, DetectorConformanceFixture) else (
+        cache[name] = (fx, None) if isinstance(fx, DetectorConformanceFixture) else (
             None, f"{name} is no detector family with a detector conformance fixture")
-    return config._fdx_detector_fixture
+    return cache[name]
 
 
 def family_fixture_of(config):

@@ -1,6 +1,7 @@
-"""The layout detector family on the backend under test (``--fdx-detector-family``, default the
-default detector family): fp32 parity of the model outputs with transformers (shipped, and live
-where transformers imports), post-processed detections equal to the goldens, the plan's detector
+"""The layout detector families on the backend under test (``--fdx-detector-family``, a comma
+list, each a parameter; default the default VLM family's: pp_doclayout_v3, pp_doclayout_v2):
+fp32 parity of the model outputs with transformers (shipped, and live where transformers
+imports; computed on the device under test where the family's outputs depend on it), post-processed detections equal to the goldens, the plan's detector
 decisions, no host sync on the host path of detect, and on CUDA graph replay == eager bitwise."""
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from .detector_checks import OUTPUTS, check_detections, check_outputs, check_sam
 pytestmark = pytest.mark.fdx_detector
 
 
+def pytest_generate_tests(metafunc):
+    # every family of --fdx-detector-family (default: the default VLM family's detectors) is a
+    # parameter of the tests reading its case
+    if "detect_case" in metafunc.fixturenames:
+        from .plugin import detector_families_option
+        names = detector_families_option(metafunc.config) or ("none",)     # none: deselected by the plugin
+        metafunc.parametrize("detect_case", names, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="module")
 def runner(make_detector_runner, detect_case):
     return make_detector_runner(detect_case.model_dir, dtype="float32")
@@ -20,8 +30,9 @@ def runner(make_detector_runner, detect_case):
 
 def test_detector_outputs_match_transformers_in_fp32(runner, detect_case):
     got = runner.detect_device(detect_case.pixels)
-    expected = detect_case.expected()
-    assert "shipped" in expected
+    expected = detect_case.expected(runner.device)
+    # the shipped reference, the live one (where transformers imports), or both; never none
+    assert expected and set(expected) <= {"shipped", "live"}
     for source, want in expected.items():
         check_topk_margin(want["enc_outputs_class"], detect_case.num_queries, detect_case.topk_margin)
         errors = check_outputs(got, want, detect_case.tolerance, source)
@@ -32,7 +43,7 @@ def test_detector_outputs_match_transformers_in_fp32(runner, detect_case):
 def test_detections_equal_the_goldens(runner, detect_case):
     got = runner.detect(detect_case.pixels, detect_case.sizes, threshold=detect_case.threshold)
     assert all(len(page) > 0 for page in got), "the goldens keep detections on every page"
-    check_detections(got, detect_case.golden)
+    check_detections(got, detect_case.goldens(runner.device))
     if detect_case.reference_postprocess is not None:       # transformers' own post-processing, where recorded
         check_same_kept_set(got, detect_case.reference_postprocess)
 

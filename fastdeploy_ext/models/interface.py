@@ -243,6 +243,9 @@ class DetectorFamily(Family):
     outputs into detections in page pixels, in reading order."""
 
     role: ClassVar[FamilyRole] = FamilyRole.DETECTOR
+    #: whether the module can compute the per-query mask outputs (a runner asked for masks refuses
+    #: a family without them before loading its weights)
+    supports_masks: ClassVar[bool] = True
 
     @abstractmethod
     def load_detector(self, model_dir: str | None, *, dtype: torch.dtype, device: torch.device,

@@ -14,8 +14,8 @@ from .config import PPDocLayoutV2Config
 class PPDocLayoutV2Family(PPDocLayoutV3Family):
     name: ClassVar[str] = "pp_doclayout_v2"
     model_types: ClassVar[tuple[str, ...]] = ("pp_doclayout_v2",)
-    #: V2 has no mask head: a runner asked for masks should refuse before loading (the module's
-    #: ``with_masks`` setter refuses too)
+    #: V2 has no mask head: a runner asked for masks refuses before reading any weight (the
+    #: module's ``with_masks`` setter refuses too)
     supports_masks: ClassVar[bool] = False
 
     def default_config(self) -> PPDocLayoutV2Config:
@@ -25,8 +25,13 @@ class PPDocLayoutV2Family(PPDocLayoutV3Family):
         return PPDocLayoutV2Config.from_model_dir(model_dir)
 
     def conformance_fixture(self, workdir: str):
-        # V3's fixture holds V3's tiny checkpoint and references: not inherited
-        return None
+        from .conformance import PPDocLayoutV2Conformance
+        return PPDocLayoutV2Conformance(workdir)
+
+    def transformers_reference(self, model_dir, model, cfg):
+        """transformers' PPDocLayoutV2ForObjectDetection with the same weights (bench detect's reference)."""
+        from .reference import transformers_reference
+        return transformers_reference(model_dir, model, cfg)
 
     def load_detector(self, model_dir, *, dtype, device, cfg):
         from .loader import load_detector

@@ -45,5 +45,5 @@ class PPDocLayoutV3Conformance(DetectorConformanceFixture):
         assert [tuple(s) for s in ast.literal_eval(info["page_sizes"])] == sizes
         golden = self.references.json("detector_detections")
         return DetectCase(model_dir, pixels, sizes, shipped["logits"].shape[1], golden["threshold"],
-                          lambda: self._expected(model_dir, pixels, shipped), golden["pages"],
+                          lambda device=None: self._expected(model_dir, pixels, shipped), golden["pages"],
                           reference_postprocess=golden.get("transformers"))
