@@ -289,7 +289,7 @@ async def _one(client, url: str, body: dict) -> Sample:
 def request_body(png: bytes, tokens: int, model: str = "bench", ours: bool = True) -> dict:
     """``ours``: the server is one this module started (ours or the reference), which take our
     extra field; a running server of unknown kind gets only OpenAI's fields and vLLM's
-    ignore_eos (which vLLM, SGLang and FastDeploy all accept)."""
+    ignore_eos and continuous_usage_stats (which vLLM, SGLang and FastDeploy accept)."""
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     body = {"model": model, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "OCR:"}]}],
