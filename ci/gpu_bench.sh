@@ -72,11 +72,29 @@ if [[ $steps == *" prefill "* ]]; then
       --workloads blocks,lines512 --pages 8 --itl $m --json-out "$OUT/itl${m#--}.json" >> "$log" 2>&1
   done
 fi
+# serve: our server with mixed steps off (ours) and on (ours_b, SERVE_COMPARE_ARGS; empty: one
+# run) behind the same requests; then each side's req/s, TTFT P95 and client-side inter-token
+# gaps per workload, and the ratios b / a
 if [[ $steps == *" serve "* ]]; then
   echo "### bench serve" >> "$log"
-  timeout ${SERVE_TIMEOUT:-220} $FDX bench serve --load-format dummy --device cuda --dtype bfloat16 \
+  compare=${SERVE_COMPARE_ARGS---mixed-steps}
+  timeout ${SERVE_TIMEOUT:-440} $FDX bench serve --load-format dummy --device cuda --dtype bfloat16 \
     --output-tokens 512 --image-size 1920x1080 ${SERVE_ARGS:---workloads single,4x8,c32 --single-requests 2 --c32-requests 64} \
-    --server-args "--max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.8" \
+    --server-args "--max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.8${compare:+ --no-mixed-steps}" \
+    ${compare:+"--compare-server-args=$compare"} \
     --startup-timeout 200 --json-out "$OUT/bench_serve.json" >> "$log" 2>&1
+  python3 - "$OUT/bench_serve.json" >> "$log" 2>&1 <<'PY'
+import json, sys
+rep = json.load(open(sys.argv[1]))
+for wl, r in rep["workloads"].items():
+    for side, x in r.items():
+        if isinstance(x, dict) and "requests" in x:
+            itl = "/".join(f"{x.get(k, float('nan')):.1f}" for k in ("itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "itl_max_ms"))
+            print(f"serve {wl} {side}: {x.get('requests_per_s') or 0:.2f} req/s, TTFT P50/P95 "
+                  f"{x.get('ttft_p50_s', float('nan')):.3f}/{x.get('ttft_p95_s', float('nan')):.3f} s, "
+                  f"ITL P50/P95/P99/max {itl} ms ({x.get('itl_token_counts', 'no gaps')})")
+    if "ratios_b_over_a" in r:
+        print(f"serve {wl} ours_b/ours: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratios_b_over_a"].items()))
+PY
 fi
 grep -vE "^\s*$" "$log" | tail -120

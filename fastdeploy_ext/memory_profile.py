@@ -80,3 +80,38 @@ def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches
              "(temporary KV %.1f MiB not counted)", grid[1] * grid[2], vision_peak / 2 ** 20, n,
              text_peak / 2 ** 20, kv_bytes / 2 ** 20)
     return int(peak)
+
+
+def detector_reservation(layout, batch: int, page_hw: tuple[int, int]):
+    """Device memory to keep free beside the engine for a layout detector in the same process:
+    the peak of one detector pass over ``batch`` blank pages of ``page_hw`` (height, width), as a
+    Decision(bytes, reason) for LLMEngine(reserved_memory=...). Runs after the detector is loaded
+    and before the engine measures free memory, so the detector's weights are already out of
+    the free figure the engine reads (named in the reason, not reserved twice) and the pass's
+    activations, which the engine could not see, are what is reserved. Where the device API
+    reports no allocator statistics nothing is reserved: such a device has no free-memory query
+    either, so its KV pool comes from --kv-cache-memory, not from what is free."""
+    import numpy as np
+
+    from .plan import Decision
+    api = layout.runner.device_api
+    if not api.allocator_stats:
+        return Decision(0, f"nothing reserved for the layout detector: the {api.name} device API reports no "
+                           "allocator statistics (the KV pool is not sized from free memory there)")
+    detector = getattr(layout.runner, "detector", None)
+    weights = sum(p.numel() * p.element_size() for p in detector.parameters()) if detector is not None else 0
+    h, w = page_hw
+    pages = [np.full((h, w, 3), 255, dtype=np.uint8) for _ in range(batch)]
+    api.synchronize()
+    api.empty_cache()
+    api.reset_peak_allocated()
+    base = api.allocated_bytes()
+    layout.detect(pages, threshold=1.0)
+    api.synchronize()
+    peak = max(0, api.peak_allocated_bytes() - base)
+    api.empty_cache()           # the pass's cached blocks back to the device before the engine reads free
+    log.info("layout detector: one batch of %d pages %dx%d peaks at %.1f MiB above its weights (%.1f MiB)",
+             batch, w, h, peak / 2 ** 20, weights / 2 ** 20)
+    return Decision(int(peak), f"the layout detector's pass over a batch of {batch} pages {w}x{h} "
+                               f"(measured peak {peak / 2 ** 30:.2f} GiB; its weights, {weights / 2 ** 30:.2f} GiB, "
+                               "are loaded first and so already out of free memory)")

@@ -30,11 +30,11 @@ class MeasuredRunner(FakeRunner):
         return self.peak
 
 
-def _engine(runner, **kw):
+def _engine(runner, reserved_memory=None, **kw):
     cfg = EngineConfig(max_model_len=64, preprocess_workers=1, **kw)
     proc = InputProcessor(FakePromptBuilder(), ImageProcessor(PreprocessorConfig()),
                           InputLimits(1, cfg.max_encoder_patches, cfg.max_model_len))
-    return LLMEngine(cfg, runner=runner, input_processor=proc)
+    return LLMEngine(cfg, runner=runner, input_processor=proc, reserved_memory=reserved_memory)
 
 
 def test_pool_follows_the_backends_memory_hook():

@@ -331,7 +331,11 @@ def run(opts, bench: BenchParseOptions, models: tuple | None = None) -> dict:
         t0 = time.perf_counter()
         renderer = PageRenderer(workers=opts.render_workers) if models is None else models[0]
         try:
-            layout, engine = (build_layout(opts), build_engine(opts)) if models is None else models[1:]
+            if models is None:
+                layout = build_layout(opts)
+                engine = build_engine(opts, layout)     # after the layout model: its memory is kept out of the KV pool
+            else:
+                layout, engine = models[1:]
             log.info("bench parse: models ready in %.1f s", time.perf_counter() - t0)
 
             def factory():

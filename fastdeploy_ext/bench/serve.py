@@ -10,6 +10,17 @@ time to first token is measured on the client. Workloads:
 - 4x8: 4 clients, each sending 8 requests one after another: avg, P50, P95 of e2e and TTFT;
 - c32: --c32-requests requests at 32 concurrency: requests/s and output tokens/s.
 
+Every streamed request's inter-token gaps are measured on the client from the chunks' arrival
+times (``token_gaps``: a chunk of k tokens is one gap plus k-1 zero gaps; the tokens per chunk from
+the running usage each chunk carries when the server sends it, ``continuous_usage_stats``, else one
+per chunk reconciled with the final usage total); each workload reports their P50/P95/P99 and the
+max gap over all its requests. Gaps spanning another request's prefill are not told apart here:
+the server exposes no step timestamps to a client, and with mixed steps a newcomer's first token
+and a running request's next one leave the same step and reach the client in either order, so a
+client-side guess would mislabel gaps (``bench generate --itl`` measures those inside the engine).
+``--compare-server-args ARGS`` runs our server a second time with ARGS added (e.g. mixed steps
+off, then on) and reports that side as ``ours_b`` with the ratios b / a.
+
 ``--base-url URL`` measures a server that is already running (ours or any OpenAI-compatible
 one, e.g. vLLM's) with the same workloads instead of starting ours; ``--reference-url URL``
 adds a second running server as the reference side. The model name sent is ``--model-name`` or
@@ -30,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from . import BenchError
@@ -59,6 +70,7 @@ class ServeBenchOptions:
     base_url: str | None = None          # measure this running server instead of starting ours
     reference_url: str | None = None     # a running reference server (with base_url)
     model_name: str | None = None        # `model` of the requests (running servers; default: /v1/models)
+    compare_server_args: tuple[str, ...] | None = None   # a second run of ours with these flags added
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of "
                         "starting ours; no reference side unless --reference-url")
     p.add_argument("--reference-url", default=None, metavar="URL", help="with --base-url: a running reference server")
+    p.add_argument("--compare-server-args", default=None, metavar="ARGS",
+                   help="run our server a second time with these flags added after --server-args (one string, "
+                        'e.g. --server-args=--no-mixed-steps --compare-server-args=--mixed-steps: a single flag needs the '
+                        '"=" form) and show '
+                        "that side (ours_b) beside the first with ratios b/a")
     p.add_argument("--model-name", default=None,
                    help="`model` sent to a running server (default: the first id of its GET /v1/models)")
 
@@ -104,6 +121,12 @@ def options_from_args(ns) -> ServeBenchOptions:
         raise BenchError("--model DIR is required (or --load-format dummy, which runs ours only; "
                          "or --base-url URL of a running server)")
     reference = bool(ns.reference_url) if ns.base_url else not ns.no_reference
+    compare = getattr(ns, "compare_server_args", None)
+    if compare is not None:
+        if ns.base_url:
+            raise BenchError("--compare-server-args starts our server twice; it cannot be used with --base-url")
+        if not shlex.split(compare):
+            raise BenchError("--compare-server-args is empty: give the flags the second run adds")
     for name in ("output_tokens", "single_requests", "c32_requests", "reference_max_batch"):
         if getattr(ns, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
@@ -114,7 +137,8 @@ def options_from_args(ns) -> ServeBenchOptions:
                              reference_max_batch=ns.reference_max_batch, json_out=ns.json_out,
                              startup_timeout=ns.startup_timeout, base_url=ns.base_url and ns.base_url.rstrip("/"),
                              reference_url=ns.reference_url and ns.reference_url.rstrip("/"),
-                             model_name=ns.model_name)
+                             model_name=ns.model_name,
+                             compare_server_args=None if compare is None else tuple(shlex.split(compare)))
 
 
 # ------------------------------------------------------------------ servers
@@ -160,11 +184,11 @@ class Server:
         self._log.close()
 
 
-def our_server(o: ServeBenchOptions, log_dir: str) -> Server:
+def our_server(o: ServeBenchOptions, log_dir: str, extra: tuple[str, ...] = (), name: str = "ours") -> Server:
     src = ["--load-format", "dummy"] if o.load_format == "dummy" else ["--model", o.model, "--load-format", o.load_format]
     cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.openai.api_server", *src, "--device", o.device,
-           "--dtype", o.dtype, "--host", "127.0.0.1", "--served-model-name", "bench", *o.server_args]
-    return Server("ours", cmd, os.path.join(log_dir, "bench_serve_ours.log"))
+           "--dtype", o.dtype, "--host", "127.0.0.1", "--served-model-name", "bench", *o.server_args, *extra]
+    return Server(name, cmd, os.path.join(log_dir, f"bench_serve_{name}.log"))
 
 
 def reference_server(o: ServeBenchOptions, log_dir: str) -> Server:
@@ -181,11 +205,57 @@ class Sample:
     ttft_s: float | None
     output_tokens: int
     error: str | None = None
+    gaps_s: list[float] = field(default_factory=list)     # inter-token gaps (token_gaps)
+    counts_from_usage: bool = False                        # every token chunk carried its running usage
+
+
+def chunk_token_counts(cumulative: list[int | None], total: int | None) -> list[int]:
+    """How many new tokens each token-bearing chunk of one stream held. ``cumulative``: per
+    chunk, the running ``usage.completion_tokens`` it carried (vLLM's and ours'
+    ``continuous_usage_stats``), or None. With every chunk's count known, those are used. Otherwise
+    each chunk counts as one token, and the final usage total ``total`` reconciles: tokens it has
+    beyond the chunks go to the last chunk (where they go does not matter: token_gaps gives the
+    same multiset of gaps for any placement), chunks beyond it are dropped from the end (a finish
+    chunk without a token of its own)."""
+    if cumulative and all(c is not None for c in cumulative):
+        counts, seen = [], 0
+        for c in cumulative:
+            counts.append(max(0, c - seen))
+            seen = max(seen, c)
+        return counts
+    counts = [1] * len(cumulative)
+    if total is None or not counts:
+        return counts
+    if total < len(counts):
+        return counts[:total] + [0] * (len(counts) - total)
+    counts[-1] += total - len(counts)
+    return counts
+
+
+def token_gaps(arrivals: list[float], counts: list[int]) -> list[float]:
+    """Inter-token gaps of one stream, measured on the client from chunk arrival times: a chunk
+    holding k tokens counts as one gap (since the previous token-bearing chunk) plus k-1 zero
+    gaps, since its tokens reached the reader together. Spreading the wait over the k tokens
+    instead would hide the stall a reader sees; the max gap stays exact this way. The first
+    token has no gap (its wait is the TTFT); chunks with no token are skipped. Gives
+    sum(counts) - 1 gaps."""
+    gaps: list[float] = []
+    prev = None
+    for t, k in zip(arrivals, counts):
+        if k <= 0:
+            continue
+        if prev is not None:
+            gaps.append(max(0.0, t - prev))
+        gaps.extend([0.0] * (k - 1))
+        prev = t
+    return gaps
 
 
 async def _one(client, url: str, body: dict) -> Sample:
     t0 = time.perf_counter()
     ttft, tokens = None, 0
+    arrivals: list[float] = []
+    cumulative: list[int | None] = []
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -193,28 +263,40 @@ async def _one(client, url: str, body: dict) -> Sample:
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()
                 ev = json.loads(line[6:])
+                usage = ev.get("usage") or None
+                choices = ev.get("choices") or []
                 # the first chunk with a choice: ours sends it when the first token exists (the
                 # role chunk waits for it), the reference with its first token; random weights
                 # often decode to empty text, so content is not required
-                if ev.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - t0
-                if ev.get("usage"):
-                    tokens = ev["usage"]["completion_tokens"]
+                if choices and ttft is None:
+                    ttft = now - t0
+                # a token-bearing chunk: any choice chunk but the role announcement (OpenAI's
+                # first chunk, no token of its own) and a usage-only one (no choices)
+                if choices and "role" not in (choices[0].get("delta") or {}):
+                    arrivals.append(now)
+                    cumulative.append(usage["completion_tokens"] if usage else None)
+                if usage:
+                    tokens = usage["completion_tokens"]
     except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
         return Sample(False, time.perf_counter() - t0, None, 0, f"{type(e).__name__}: {e}")
-    return Sample(True, time.perf_counter() - t0, ttft, tokens)
+    counts = chunk_token_counts(cumulative, tokens or None)
+    return Sample(True, time.perf_counter() - t0, ttft, tokens, gaps_s=token_gaps(arrivals, counts),
+                  counts_from_usage=bool(cumulative) and all(c is not None for c in cumulative))
 
 
 def request_body(png: bytes, tokens: int, model: str = "bench", ours: bool = True) -> dict:
     """``ours``: the server is one this module started (ours or the reference), which take our
     extra field; a running server of unknown kind gets only OpenAI's fields and vLLM's
-    ignore_eos (which vLLM, SGLang and FastDeploy all accept)."""
+    ignore_eos and continuous_usage_stats (which vLLM, SGLang and FastDeploy accept)."""
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     body = {"model": model, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "OCR:"}]}],
         "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
+        # continuous_usage_stats (vLLM's; SGLang and ours accept it): each chunk's running token
+        # count, so a chunk holding several tokens is counted as such (chunk_token_counts)
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if ours:
         # random weights repeat themselves: without this the repetition-loop guard ends requests
         # early (the H200 run's single requests stopped short of 512 tokens)
@@ -243,6 +325,15 @@ def _summary(samples: list[Sample], wall: float, tokens: int) -> dict:
             out[f"{name}_avg_s"] = statistics.fmean(xs)
             out[f"{name}_p50_s"] = _pct(xs, 50)
             out[f"{name}_p95_s"] = _pct(xs, 95)
+    gaps = [g for s in ok for g in s.gaps_s]
+    if gaps:
+        # every request's gaps pooled (as vLLM's benchmark does): the percentiles are over tokens
+        out["itl_gaps"] = len(gaps)
+        for q in (50, 95, 99):
+            out[f"itl_p{q}_ms"] = _pct(gaps, q) * 1e3
+        out["itl_max_ms"] = max(gaps) * 1e3
+        out["itl_token_counts"] = ("usage" if all(s.counts_from_usage for s in ok) else
+                                   "chunks (one token each, the final usage total reconciling)")
     errors = [s.error for s in samples if not s.ok][:3]
     if errors:
         out["errors"] = errors
@@ -295,8 +386,13 @@ def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
               "output_tokens_per_request": o.output_tokens, "server_args": list(o.server_args),
               "reference": "transformers generate, static batches of up to "
                            f"{o.reference_max_batch} concurrent requests" if o.reference else None,
+              "compare_server_args": None if o.compare_server_args is None else list(o.compare_server_args),
               "workloads": {}}
-    sides = [("ours", our_server)] + ([("reference", reference_server)] if o.reference else [])
+    sides = [("ours", our_server)]
+    if o.compare_server_args is not None:
+        sides.append(("ours_b", partial(our_server, extra=o.compare_server_args, name="ours_b")))
+    if o.reference:
+        sides.append(("reference", reference_server))
     for side, start in sides:
         srv = start(o, log_dir)
         try:
@@ -340,8 +436,20 @@ def _measure_running(o: ServeBenchOptions, pages: list[bytes]) -> dict:
     return _with_speedups(report)
 
 
+#: the figures compared between our two server configurations (--compare-server-args), b / a
+COMPARED = ("requests_per_s", "output_tokens_per_s", "ttft_p95_s", "e2e_p95_s", "itl_p50_ms", "itl_p99_ms",
+            "itl_max_ms")
+
+
+def compare_ratios(a: dict, b: dict) -> dict:
+    """b / a for each figure both sides have (a zero or missing one is left out)."""
+    return {k: b[k] / a[k] for k in COMPARED if a.get(k) and b.get(k) is not None}
+
+
 def _with_speedups(report: dict) -> dict:
     for wl, r in report["workloads"].items():
+        if "ours" in r and "ours_b" in r:
+            r["ratios_b_over_a"] = compare_ratios(r["ours"], r["ours_b"])
         if "ours" in r and "reference" in r and r["reference"].get("requests_per_s"):
             r["speedup_requests_per_s"] = r["ours"]["requests_per_s"] / r["reference"]["requests_per_s"]
             if r["ours"].get("e2e_avg_s") and r["reference"].get("e2e_avg_s"):
@@ -365,9 +473,17 @@ def print_report(report: dict) -> None:
             s += f", e2e avg/P50/P95 {r['e2e_avg_s']:.3f}/{r['e2e_p50_s']:.3f}/{r['e2e_p95_s']:.3f} s"
         if "ttft_avg_s" in r:
             s += f", TTFT avg/P50/P95 {r['ttft_avg_s']:.3f}/{r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f} s"
+        if "itl_max_ms" in r:
+            s += (f", ITL P50/P95/P99/max {r['itl_p50_ms']:.1f}/{r['itl_p95_ms']:.1f}/{r['itl_p99_ms']:.1f}/"
+                  f"{r['itl_max_ms']:.1f} ms")
         return s
+    if report.get("compare_server_args") is not None:
+        print(f"  ours_b = ours with {' '.join(report['compare_server_args'])} added")
     for wl, r in report["workloads"].items():
         print(f"  {wl:6s} ours:         {fmt(r.get('ours'))}")
+        if "ours_b" in r:
+            print(f"  {wl:6s} ours_b:       {fmt(r.get('ours_b'))}")
+            print(f"  {wl:6s} ours_b / ours: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratios_b_over_a"].items()))
         if "reference" in r:
             print(f"  {wl:6s} {ref_label} {fmt(r.get('reference'))}")
         if "speedup_requests_per_s" in r:

@@ -133,14 +133,20 @@ def build_app(ref: Reference):
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         await waiting.put((ids, images, max_tokens, q))
 
+        continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
         async def events():
             n = 0
             while (tok := await q.get()) is not None:
                 n += 1
-                delta = {"content": ref.tokenizer.decode([tok])}
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
-            usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                chunk = {"choices": [{"index": 0, "delta": {"content": ref.tokenizer.decode([tok])}}]}
+                if continuous:          # vLLM's option: each chunk carries the running token count
+                    chunk["usage"] = usage(n)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage(n)})}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 

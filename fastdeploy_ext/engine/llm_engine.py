@@ -117,9 +117,14 @@ class InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner=None, input_processor: InputProcessor | None = None):
+    def __init__(self, config: EngineConfig, runner=None, input_processor: InputProcessor | None = None,
+                 reserved_memory: Decision | None = None):
+        """``reserved_memory``: device bytes something else in this process will still allocate
+        on the same device (the parsing pipeline's layout detector), kept out of the KV pool when
+        it is sized from free memory; its reason says what they are for."""
         config.validate()
         self.config = config
+        self.reserved_memory = reserved_memory
         if runner is None:
             runner = self._create_runner(config)
         self.runner = runner
@@ -212,7 +217,16 @@ class LLMEngine:
                 budget = int(free - (1 - cfg.gpu_memory_utilization) * total - peak)
                 reason = (f"free {free / 2**30:.2f} GiB - (1 - {cfg.gpu_memory_utilization}) x total "
                           f"{total / 2**30:.2f} GiB - profiled step peak {peak / 2**30:.2f} GiB")
+                reserved = self.reserved_memory
+                if reserved is not None:
+                    log.info("memory reserved beside the engine: %.1f MiB (%s)", reserved.value / 2**20,
+                             reserved.reason)
+                    budget -= int(reserved.value)
+                    reason += f" - reserved {reserved.value / 2**30:.2f} GiB for {reserved.reason}"
             else:
+                if self.reserved_memory is not None and self.reserved_memory.value:
+                    log.info("memory reserved beside the engine (%.1f MiB, %s) not applied: the KV pool is not sized "
+                             "from free memory here", self.reserved_memory.value / 2**20, self.reserved_memory.reason)
                 budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
                 backend = getattr(self.runner, "name", type(self.runner).__name__)
                 reason = (f"--kv-cache-memory {budget / 2**30:.2f} GiB" + ("" if cfg.kv_cache_memory else

@@ -18,18 +18,29 @@ LOCAL_LEASE_TTL_S = 10 * 365 * 86400.0
 
 
 # ------------------------------------------------------------------ building the models
-def build_engine(opts: ParseOptions):
-    """The VLM engine in this process (None with stub_vlm)."""
+def build_engine(opts: ParseOptions, layout: LayoutModel | None = None):
+    """The VLM engine in this process (None with stub_vlm). ``layout``: the detector already
+    loaded beside it on the same device; one layout batch's memory is measured now and kept out
+    of the KV pool (memory_profile.detector_reservation), so build the layout model first."""
     if opts.stub_vlm:
         return None
     from ..engine.config import EngineConfig
     from ..engine.llm_engine import LLMEngine
+    from ..memory_profile import detector_reservation
     from ..plan import PlanRequest
     cfg = opts.engine
     if cfg is None:
         cfg = EngineConfig(model=opts.model, load_format=opts.load_format, model_format=opts.model_format,
                            model_family=opts.model_family, plan=PlanRequest(device=opts.device, dtype=opts.dtype))
-    return LLMEngine(cfg)
+    reserved = None
+    if layout is not None:
+        reserved = detector_reservation(layout, opts.layout_batch, a4_page_hw(opts.dpi))
+    return LLMEngine(cfg, reserved_memory=reserved)
+
+
+def a4_page_hw(dpi: int) -> tuple[int, int]:
+    """(height, width) in pixels of an A4 page rendered at ``dpi`` (210 x 297 mm)."""
+    return round(297 / 25.4 * dpi), round(210 / 25.4 * dpi)
 
 
 def build_layout(opts: ParseOptions, plan=None) -> LayoutModel:

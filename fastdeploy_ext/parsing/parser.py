@@ -51,7 +51,7 @@ class DocumentParser:
             from .render import PageRenderer
             renderer = PageRenderer(workers=self.options.render_workers)
             layout = coordinator.build_layout(self.options)
-            self._models = (renderer, layout, coordinator.build_engine(self.options))
+            self._models = (renderer, layout, coordinator.build_engine(self.options, layout))
         return self._models
 
     def parse(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *, output: str | os.PathLike | None = None,

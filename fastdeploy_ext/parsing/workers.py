@@ -115,7 +115,8 @@ def worker_main(index: int, opts, conn, device: int | None, log_level: int) -> N
     link = _Link(conn)
     renderer = PageRenderer(workers=opts.render_workers)
     try:
-        layout, engine = build_layout(opts), build_engine(opts)
+        layout = build_layout(opts)
+        engine = build_engine(opts, layout)       # after the layout model: its memory is kept out of the KV pool
         held: dict[int, list] = {}           # lease_id -> [lease, pages not yet sent]
         stop = threading.Event()
 
