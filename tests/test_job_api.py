@@ -163,6 +163,10 @@ def test_a_batch_reports_each_job_and_each_result_comes_back(api, server):
     assert status.result["jsonUrl"].startswith(server.url)
     for r in results:
         check_pages(r, 1, pdf=True)
+    # /metrics counts them (this module's earlier jobs too: at least these two)
+    assert server.metric("fastdeploy_ext:jobs_done_total") >= 2
+    assert server.metric("fastdeploy_ext:job_pages_total") >= 2
+    assert server.metric("fastdeploy_ext:jobs_running") == 0
 
 
 # ------------------------------------------------------------------ refusals

@@ -461,7 +461,7 @@ def build_state(ns: argparse.Namespace) -> ServerState:
 
 def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetcher):
     """The job API's service with --jobs-dir (its pipeline options from the parse flags), else None."""
-    from .serving_jobs import JobRoutes, jobs_config_from_args
+    from .serving_jobs import JobRoutes, JobsCollector, jobs_config_from_args
     cfg = jobs_config_from_args(ns)
     if cfg is None:
         return None
@@ -477,6 +477,7 @@ def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetche
              "bytes, finished jobs kept %g s, block priority +%d (chat first), layout model %s",
              f"http://{state.config.host}:{state.config.port}", cfg.jobs_dir, cfg.max_queued_jobs,
              cfg.max_upload_bytes, cfg.ttl_s, cfg.priority_offset, opts.layout_model or "random weights (dummy)")
+    state.metrics.registry.register(JobsCollector(service))
     return JobRoutes(service, api_key=state.config.api_key, fetcher=job_fetcher)
 
 

@@ -403,6 +403,32 @@ def _iso(t: float | None) -> str | None:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+class JobsCollector:
+    """The job API's counts in /metrics, read from the service at scrape time (counters since
+    this process started; gauges of what is queued and running now)."""
+
+    def __init__(self, service: JobService):
+        self.service = service
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        svc = self.service
+        states = [r.state for r in list(svc.jobs.values())]
+        c = svc.counts
+        yield CounterMetricFamily("fastdeploy_ext:jobs_submitted", "Parsing jobs accepted", value=c["submitted"])
+        yield CounterMetricFamily("fastdeploy_ext:jobs_done", "Parsing jobs finished done", value=c["done"])
+        yield CounterMetricFamily("fastdeploy_ext:jobs_failed", "Parsing jobs finished failed", value=c["failed"])
+        yield CounterMetricFamily("fastdeploy_ext:job_pages", "Pages of parsing jobs settled (done or failed)",
+                                  value=c["pages"])
+        yield GaugeMetricFamily("fastdeploy_ext:jobs_pending", "Parsing jobs queued",
+                                value=states.count(JobState.PENDING))
+        yield GaugeMetricFamily("fastdeploy_ext:jobs_running", "Parsing jobs running",
+                                value=states.count(JobState.RUNNING))
+
+
 async def expiry_loop(service: JobService, period_s: float) -> None:
     while True:
         await asyncio.to_thread(service.expire)
