@@ -169,6 +169,39 @@ def test_a_batch_reports_each_job_and_each_result_comes_back(api, server):
     assert server.metric("fastdeploy_ext:jobs_running") == 0
 
 
+# ------------------------------------------------------------------ PaddleX's /layout-parsing
+def test_paddlex_layout_parsing_answers_one_document_with_inline_images(server):
+    import base64
+    import requests
+    pdf = PDFS / "skinnypage.pdf"
+    # PaddleX serving's documented call: the file in base64, fileType 0 (PDF), options at the top
+    payload = {"file": base64.b64encode(pdf.read_bytes()).decode("ascii"), "fileType": 0,
+               "useDocOrientationClassify": False, "useDocUnwarping": False, "useChartRecognition": False}
+    r = requests.post(server.url + "/layout-parsing", json=payload, headers={"Authorization": f"token {TOKEN}"},
+                      timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["errorCode"] == 0 and body["logId"]
+    res = body["result"]
+    assert res["dataInfo"]["type"] == "pdf" and res["dataInfo"]["numPages"] == 2 and len(res["dataInfo"]["pages"]) == 2
+    assert [p["prunedResult"]["page_index"] for p in res["layoutParsingResults"]] == [0, 1]
+    for page in res["layoutParsingResults"]:
+        (name, b64), = page["markdown"]["images"].items()
+        assert name in page["markdown"]["text"] and base64.b64decode(b64)[:4] == b"\x89PNG"
+    # by URL (a local path under --allowed-local-media-path), fileType inferred
+    r = requests.post(server.url + "/layout-parsing", json={"file": str(PDFS / "small_page_size.pdf")},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["result"]["layoutParsingResults"]) == 1, r.text
+    for bad, msg in (({"file": "%%% not base64"}, "neither a URL nor valid base64"),
+                     ({"file": payload["file"], "fileType": 5}, "fileType: 5"),
+                     ({"file": payload["file"], "fileType": 0, "topP": 0.5}, "topP=0.5")):
+        r = requests.post(server.url + "/layout-parsing", json=bad, headers={"Authorization": f"token {TOKEN}"},
+                          timeout=30)
+        assert r.status_code == 400 and r.json()["errorCode"] == 400 and msg in r.json()["errorMsg"], r.text
+    r = requests.post(server.url + "/layout-parsing", json=payload, timeout=30)          # no token
+    assert r.status_code == 401 and r.json()["errorCode"] == 401
+
+
 # ------------------------------------------------------------------ refusals
 def test_a_corrupt_file_is_the_clients_failed_state_with_the_reason(api, server, tmp_path):
     bad = tmp_path / "broken.pdf"

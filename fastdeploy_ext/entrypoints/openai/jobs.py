@@ -317,6 +317,15 @@ class JobService:
         log.info("jobs: %s %s after %.1f s%s", rec.job_id, state.value, rec.finished - (rec.started or rec.created),
                  f": {error}" if error else "")
 
+    def remove(self, job_id: str) -> None:
+        """A finished job gone at once (a synchronous /layout-parsing call's, once answered)."""
+        with self._cv:
+            rec = self.jobs.get(job_id)
+            if rec is None or rec.state not in (JobState.DONE, JobState.FAILED):
+                return
+            del self.jobs[job_id]
+        shutil.rmtree(self._dir(job_id), ignore_errors=True)
+
     # ---------------------------------------------------------------- expiry
     def expire(self, now: float | None = None) -> int:
         """Remove finished jobs older than the TTL (their files with them)."""

@@ -210,8 +210,9 @@ class JobRoutes:
     def auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() not in ("bearer", "token"):      # "token": PaddleX serving's examples
+            token = ""
         if not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise JobAPIError(401, "missing or wrong access token (send `Authorization: Bearer <token>`)")
 
@@ -371,6 +372,88 @@ class JobRoutes:
             out.append(json.dumps(obj, ensure_ascii=False))
         return Response("\n".join(out) + "\n", media_type="application/jsonl")
 
+    # ------------------------------------------------------------ PaddleX's /layout-parsing
+    async def layout_parsing(self, request: Request) -> JSONResponse:
+        """PaddleX serving's synchronous call: one document (``file`` as a URL or base64,
+        ``fileType`` 0 PDF / 1 image, the pipeline options at the top level) parsed as a job of
+        the same queue and limits, answered when its last page is in; the Markdown images inline
+        as base64, as PaddleX returns them."""
+        import base64
+        import binascii
+        import uuid
+        log_id = str(uuid.uuid4())
+        try:
+            self.auth(request)
+            if self.draining or self.service.stopping:
+                raise JobAPIError(503, "the server is shutting down; retry on another replica")
+            try:
+                body = json.loads(await self._body(request))
+            except ValueError as e:
+                raise JobAPIError(400, f"the body is not JSON ({e})") from None
+            if not isinstance(body, dict):
+                raise JobAPIError(400, "the JSON body must be an object")
+            file, file_type = body.pop("file", None), body.pop("fileType", None)
+            if not isinstance(file, str) or not file:
+                raise JobAPIError(400, "file: required (a URL or the file's bytes in base64)")
+            if file_type not in (None, 0, 1):
+                raise JobAPIError(400, f"fileType: {file_type!r} (0 = PDF, 1 = image)")
+            if "://" in file[:16] or file.startswith("/"):
+                data, name = await self._fetch(file), PurePosixPath(file.split("?", 1)[0]).name
+            else:
+                try:
+                    data, name = base64.b64decode(file, validate=True), None
+                except (binascii.Error, ValueError):
+                    raise JobAPIError(400, "file: neither a URL nor valid base64") from None
+            if len(data) > self.service.config.max_upload_bytes:
+                raise JobAPIError(413, f"the document is larger than {self.service.config.max_upload_bytes} "
+                                       f"bytes (--max-upload-bytes)")
+            suffix = ".pdf" if file_type == 0 else input_suffix(name, data)
+            if file_type == 1 and suffix == ".pdf":
+                raise JobAPIError(400, "fileType 1 (image) but the file is a PDF")
+            options = job_options(body, self.service.base_opts)
+            try:
+                rec = await asyncio.to_thread(self.service.submit, data, suffix, model=VL_MODELS[-1],
+                                              options=options, page_ranges=None, batch_id=None)
+            except QueueFull as e:
+                raise JobAPIError(429, str(e)) from None
+            try:
+                while rec.state not in (JobState.DONE, JobState.FAILED):
+                    if self.service.stopping:       # the job resumes on the next start; this call cannot wait
+                        raise JobAPIError(503, "the server is shutting down; the document was not finished")
+                    await asyncio.sleep(0.05)
+                if rec.state is JobState.FAILED:
+                    msg = rec.error_msg or "failed"
+                    raise JobAPIError(400 if msg.startswith("input") else 500, msg)
+                result = await asyncio.to_thread(self._inline_result, rec)
+            finally:
+                await asyncio.to_thread(self.service.remove, rec.job_id)
+        except JobAPIError as e:
+            log.warning("POST /layout-parsing -> %d: %s", e.status, e.msg[:300])
+            return JSONResponse({"logId": log_id, "errorCode": e.status, "errorMsg": e.msg}, status_code=e.status)
+        return JSONResponse({"logId": log_id, "errorCode": 0, "errorMsg": "Success", "result": result})
+
+    def _inline_result(self, rec: JobRecord) -> dict:
+        import base64
+        pages, info = [], None
+        path = self.service.result_path(rec, "result.jsonl")
+        for line in path.read_text(encoding="utf-8").splitlines() if path else []:
+            if not line.strip():
+                continue
+            res = json.loads(line)["result"]
+            for item in res["layoutParsingResults"]:
+                imgs = item["markdown"]["images"]
+                for k, rel in imgs.items():
+                    f = self.service.result_path(rec, rel)
+                    imgs[k] = base64.b64encode(f.read_bytes()).decode() if f else ""
+                pages.append(item)
+            d = res["dataInfo"]
+            if d.get("type") == "pdf":
+                info = info or {"type": "pdf", "numPages": d["numPages"], "pages": []}
+                info["pages"] += d["pages"]
+            else:
+                info = d
+        return {"layoutParsingResults": pages, "dataInfo": info}
+
     def mount(self, app) -> None:
         async def guarded(fn, request, *args):
             try:
@@ -390,6 +473,10 @@ class JobRoutes:
         @app.get(f"{API}/jobs/{{job_id}}")
         async def status(request: Request, job_id: str):
             return await guarded(self.status, request, job_id)
+
+        @app.post("/layout-parsing")
+        async def layout_parsing(request: Request):
+            return await self.layout_parsing(request)
 
         @app.get(f"{API}/results/{{job_id}}/{{secret}}/{{rel:path}}")
         async def result(request: Request, job_id: str, secret: str, rel: str):
