@@ -150,22 +150,25 @@ def test_pdf_by_upload_and_by_file_url_and_an_image_parse_and_their_resources_sa
     assert httpx.get("/".join(parts), timeout=10).status_code == 404
 
 
-def test_a_batch_reports_each_job_and_each_result_comes_back(api, server):
-    pdfs = [PDFS / "small_page_size.pdf", PDFS / "earnings.pdf"]
+def test_every_pdf_of_shared_pdfs_as_one_batch_gives_each_page_once(api, server):
+    pdfs = sorted(PDFS.glob("*.pdf"))
+    pages = [pdf_pages(p) for p in pdfs]
+    assert sum(pages) == 31
     with client(api, server) as c:
-        jobs = [c.submit_document_parsing(file_path=str(p), batch_id="batch-1") for p in pdfs]
+        jobs = [c.submit_document_parsing(file_path=str(p), batch_id="all-pdfs") for p in pdfs]
         results = [c.wait_document_parsing_result(j) for j in jobs]
-        batch = c.get_batch_status("batch-1")
+        batch = c.get_batch_status("all-pdfs")
         status = c.get_status(jobs[0].job_id)
     assert [j.job_id for j in batch.jobs] == [j.job_id for j in jobs]
-    assert [j.state for j in batch.jobs] == ["done", "done"]
-    assert status.progress.total_pages == 1 and status.progress.extracted_pages == 1
+    assert [j.state for j in batch.jobs] == ["done"] * len(pdfs)
+    assert status.progress.total_pages == pages[0] and status.progress.extracted_pages == pages[0]
     assert status.result["jsonUrl"].startswith(server.url)
-    for r in results:
-        check_pages(r, 1, pdf=True)
+    for r, n in zip(results, pages):
+        check_pages(r, n, pdf=True)
+        assert [p.pruned_result["page_index"] for p in r.pages] == list(range(n))
     # /metrics counts them (this module's earlier jobs too: at least these two)
-    assert server.metric("fastdeploy_ext:jobs_done_total") >= 2
-    assert server.metric("fastdeploy_ext:job_pages_total") >= 2
+    assert server.metric("fastdeploy_ext:jobs_done_total") >= len(pdfs)
+    assert server.metric("fastdeploy_ext:job_pages_total") >= 31
     assert server.metric("fastdeploy_ext:jobs_running") == 0
 
 
@@ -243,8 +246,9 @@ def test_kill_9_mid_job_then_restart_on_the_same_jobs_dir_completes_every_page_o
                                                                                   monkeypatch):
     from fastdeploy_ext.parsing.status import workspace_status
     from . import server_harness
-    pdf = PDFS / "pdftotext_two_column_issue.pdf"
+    pdf = PDFS / "lots_of_sci_tables.pdf"
     n = pdf_pages(pdf)
+    assert n == 6
     jobs_dir = tmp_path / "jobs"
     first = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
     try:
