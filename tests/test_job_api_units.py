@@ -123,6 +123,41 @@ def test_blocks_go_to_the_served_engine_below_chat_by_the_priority_offset():
     assert seen == [103] and got == [("x", None)]
 
 
+def test_an_abandoned_run_aborts_its_blocks_in_the_served_engine():
+    aborted, started = [], threading.Event()
+    release = asyncio.Event
+
+    class Engine:
+        def __init__(self):
+            self.gate = None
+
+        async def generate(self, rid, prompt, params, priority=0):
+            self.gate = release()
+            started.set()
+            await self.gate.wait()                       # a long block: until aborted
+            yield SimpleNamespace(text="", finished=True, finish_reason="abort")
+
+        async def abort(self, rid):
+            aborted.append(rid)
+            self.gate.set()
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        eng = Engine()
+        drv = ServedEngineDriver(eng, loop, priority_offset=0)
+        done = threading.Event()
+        drv.submit({"prompt": "p"}, None, 0, lambda out, err: done.set())
+        assert started.wait(10)
+        drv.abort()
+        assert done.wait(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+    assert len(aborted) == 1 and aborted[0].startswith("job-") and not drv._active
+
+
 def test_a_page_refused_while_the_server_stops_is_not_recorded_as_failed(tmp_path):
     recorded = []
 

@@ -93,11 +93,13 @@ class ServedEngineDriver:
         self.error = None
         self._ids = 0
         self._lock = threading.Lock()
+        self._active: set[str] = set()
 
     def submit(self, prompt: dict, params, priority: int, on_done) -> None:
         with self._lock:
             self._ids += 1
             rid = f"job-{os.getpid()}-{id(self):x}-{self._ids}"
+            self._active.add(rid)
         asyncio.run_coroutine_threadsafe(self._one(rid, prompt, params, priority + self.offset, on_done), self.loop)
 
     async def _one(self, rid, prompt, params, priority, on_done) -> None:
@@ -108,7 +110,18 @@ class ServedEngineDriver:
         except Exception as e:  # noqa: BLE001 - this block fails (its page with it); the job goes on
             on_done(None, f"{type(e).__name__}: {e}")
             return
+        finally:
+            with self._lock:
+                self._active.discard(rid)
         on_done(last, None if last is not None else "no output")
+
+    def abort(self) -> None:
+        """The run was abandoned (the server stops): its blocks in the engine end now rather
+        than decode on for pages that will be redone."""
+        with self._lock:
+            rids = list(self._active)
+        for rid in rids:
+            asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self.loop)
 
     def close(self) -> None:
         pass
