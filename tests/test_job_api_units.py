@@ -12,7 +12,7 @@ import pytest
 
 from fastdeploy_ext.entrypoints.openai.jobs import (JobService, JobsConfig, JobState, QueueFull, ServedEngineDriver,
                                                     _JobSink)
-from fastdeploy_ext.entrypoints.openai.serving_jobs import JobAPIError, check_model, job_options
+from fastdeploy_ext.entrypoints.openai.serving_jobs import JobAPIError, check_model, job_options, served_version
 from fastdeploy_ext.parsing.options import ParseOptions
 
 PDF = b"%PDF-1.4 not parsed here"
@@ -96,6 +96,9 @@ def test_options_map_no_ops_pass_and_everything_else_is_a_400_naming_the_key():
     with pytest.raises(JobAPIError, match="optionalPayload must be a JSON object"):
         job_options([1], base)
     assert check_model(None, None) == "PaddleOCR-VL-1.6"
+    assert [served_version(d) for d in ("/m/PaddleOCR-VL-1.5", "/m/paddleocr-vl", "/m/PaddleOCR-VL-1.6-0.9B",
+                                        "/m/tiny_vl", None)] == [
+        "PaddleOCR-VL-1.5", "PaddleOCR-VL", "PaddleOCR-VL-1.6", None, None]
     with pytest.raises(JobAPIError, match="PP-StructureV3: not served here"):
         check_model("PP-StructureV3", None)
 

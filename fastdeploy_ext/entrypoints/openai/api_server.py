@@ -461,7 +461,7 @@ def build_state(ns: argparse.Namespace) -> ServerState:
 
 def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetcher):
     """The job API's service with --jobs-dir (its pipeline options from the parse flags), else None."""
-    from .serving_jobs import JobRoutes, JobsCollector, jobs_config_from_args
+    from .serving_jobs import JobRoutes, JobsCollector, jobs_config_from_args, served_version
     cfg = jobs_config_from_args(ns)
     if cfg is None:
         return None
@@ -478,7 +478,8 @@ def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetche
              f"http://{state.config.host}:{state.config.port}", cfg.jobs_dir, cfg.max_queued_jobs,
              cfg.max_upload_bytes, cfg.ttl_s, cfg.priority_offset, opts.layout_model or "random weights (dummy)")
     state.metrics.registry.register(JobsCollector(service))
-    return JobRoutes(service, api_key=state.config.api_key, fetcher=job_fetcher)
+    return JobRoutes(service, api_key=state.config.api_key, fetcher=job_fetcher,
+                     served_version=served_version(opts.model))
 
 
 async def _serve(state: ServerState) -> int:

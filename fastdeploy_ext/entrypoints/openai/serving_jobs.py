@@ -175,12 +175,24 @@ def job_options(payload: Any, base_opts) -> dict:
     return fields
 
 
-def check_model(model: Any, served_version: str | None) -> str:
+def served_version(model_dir: str | None) -> str | None:
+    """Which of the client's VL names the served weights are, by their directory's name
+    (PaddleOCR-VL-1.5, ...); None when the name does not say (random weights, a renamed dir)."""
+    name = Path(model_dir).name.lower() if model_dir else ""
+    for m in reversed(VL_MODELS[1:]):
+        if m.lower() in name:
+            return m
+    return VL_MODELS[0] if VL_MODELS[0].lower() in name else None
+
+
+def check_model(model: Any, served: str | None) -> str:
+    """The job's model name (the client's default when none): one of the VL names (a warning when
+    the served weights are another version: they parse it all the same), else a 400."""
     if model is None:
         return VL_MODELS[-1]
     if model in VL_MODELS:
-        if served_version and model != served_version:
-            log.warning("jobs: model %s asked; the served weights are %s (they parse it)", model, served_version)
+        if served and model != served:
+            log.warning("jobs: model %s asked; the served weights are %s (they parse it)", model, served)
         return model
     if model in OTHER_MODELS:
         raise JobAPIError(400, f"model {model}: not served here (this server runs the PaddleOCR-VL pipeline: "
