@@ -1,6 +1,7 @@
 from setuptools import find_packages, setup
 
-SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "httpx>=0.27", "anyio>=4"]
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20", "httpx>=0.27", "anyio>=4",
+         "python-multipart>=0.0.9"]    # the job API's file uploads
 
 setup(
     name="fastdeploy_ext",
@@ -50,6 +51,9 @@ setup(
                  "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  "openai>=1.40", "hypothesis>=6",
                  "pypdf>=4",            # encrypted-PDF fixtures for the parsing tests
+                 # the job API's tests drive it with paddleocr's own API client (its files from
+                 # the paddleocr==3.7.0 wheel), which needs these two
+                 "requests>=2.28", "aiohttp>=3.9",
                  *SERVE],
     },
     entry_points={

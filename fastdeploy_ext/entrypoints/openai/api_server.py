@@ -62,6 +62,7 @@ class ServerState:
     server: uvicorn.Server | None = None
     tasks: list = field(default_factory=list)
     inflight_bytes: inflight.ByteBudget = field(default_factory=lambda: inflight.ByteBudget(1 << 62))
+    jobs: Any = None                       # serving_jobs.JobRoutes with --jobs-dir, else None
 
     def stats(self):
         return self.engine.stats() if self.engine_started else None
@@ -196,9 +197,16 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         state.tasks.append(asyncio.create_task(_start_engine(state)))
+        if state.jobs is not None:
+            from .serving_jobs import expiry_loop
+            state.jobs.service.start(asyncio.get_running_loop())
+            state.tasks.append(asyncio.create_task(expiry_loop(state.jobs.service,
+                                                               min(60.0, state.jobs.service.config.ttl_s / 4))))
         yield
         for t in state.tasks:
             t.cancel()
+        if state.jobs is not None:
+            await asyncio.to_thread(state.jobs.service.close)
         await state.chat.ctx.fetcher.aclose()
         if state.engine_started:
             try:
@@ -278,6 +286,8 @@ def build_app(state: ServerState) -> FastAPI:
         return DisconnectAwareSSE(result, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    if state.jobs is not None:
+        state.jobs.mount(app)
     return Gate(app, state)
 
 
@@ -320,6 +330,9 @@ async def _watchdog(state: ServerState, period: float = 0.25) -> None:
 async def _drain(state: ServerState) -> None:
     ctx = state.chat.ctx
     log.info("SIGTERM: draining %d request(s) in flight; new requests get 503", ctx.inflight)
+    if state.jobs is not None:       # the job in flight stops; its pages left resume on the next start
+        state.jobs.draining = True
+        state.jobs.service.stop()
     await ctx.idle.wait()
     if _stopping(state).done():
         return                                  # a second signal took over (_stop_now)
@@ -442,7 +455,31 @@ def build_state(ns: argparse.Namespace) -> ServerState:
                         model_root=source.model_dir or "dummy",
                         inflight_bytes=inflight.ByteBudget(config.max_inflight_body_bytes))
     metrics_holder.append(state)
+    state.jobs = _build_jobs(ns, state, fetcher)
     return state
+
+
+def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetcher):
+    """The job API's service with --jobs-dir (its pipeline options from the parse flags), else None."""
+    from .serving_jobs import JobRoutes, JobsCollector, jobs_config_from_args, served_version
+    cfg = jobs_config_from_args(ns)
+    if cfg is None:
+        return None
+    import dataclasses
+    from ..parse_cmd import parse_options_from_args
+    from .jobs import JobService
+    # serve's own --workers (FastDeploy's, ignored) is not parse's: one pipeline in this process
+    opts = parse_options_from_args(argparse.Namespace(**{**vars(ns), "workers": 1, "gpus": None}), output=None)
+    service = JobService(cfg, opts, state.engine,
+                         engine_ready=lambda: state.engine_started and state.engine.ready)
+    job_fetcher = MediaFetcher(dataclasses.replace(fetcher.policy, max_bytes=cfg.max_upload_bytes))
+    log.info("jobs: the PaddleOCR job API on %s/api/v2/ocr/jobs: jobs in %s, at most %d queued, uploads up to %d "
+             "bytes, finished jobs kept %g s, block priority +%d (chat first), layout model %s",
+             f"http://{state.config.host}:{state.config.port}", cfg.jobs_dir, cfg.max_queued_jobs,
+             cfg.max_upload_bytes, cfg.ttl_s, cfg.priority_offset, opts.layout_model or "random weights (dummy)")
+    state.metrics.registry.register(JobsCollector(service))
+    return JobRoutes(service, api_key=state.config.api_key, fetcher=job_fetcher,
+                     served_version=served_version(opts.model))
 
 
 async def _serve(state: ServerState) -> int:

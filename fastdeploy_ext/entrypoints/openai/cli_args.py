@@ -116,6 +116,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_runner_args(p)
     shared.add_engine_args(p)
     add_server_args(p)
+    from .serving_jobs import add_job_arguments
+    add_job_arguments(p)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

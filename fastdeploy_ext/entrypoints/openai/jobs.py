@@ -1,0 +1,438 @@
+"""Document-parsing jobs behind the job API (serving_jobs.py): accepted jobs on disk under
+``--jobs-dir``, one runner thread that parses them through the same pipeline as `parse`.
+
+A job is a directory ``<jobs-dir>/<job id>/``: ``job.json`` (what was asked, its state, the
+secret of its result URLs), ``input/`` (the document as received) and ``ws/``, the parse
+workspace of that one document (the pipeline's exactly-once manifest). Accepting a job writes
+its input and ``job.json`` durably before the job id is answered, so a restart (SIGTERM or
+kill -9) finds every accepted job; a job that was not finished runs again on its workspace,
+which skips the pages already done, so every page is done exactly once. A finished job's
+``result.jsonl`` (one line per page) is written before its state turns done. Finished jobs
+expire ``ttl_s`` after they end: their directory is removed and their URLs answer 404.
+
+Jobs run one at a time, in the order accepted (pages of one job run concurrently, up to the
+pipeline's pages in flight); the blocks go to the served engine at ``priority_offset`` below
+interactive chat (a larger priority value runs later)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from enum import Enum
+from pathlib import Path
+
+from ...parsing.durable import fsync_dir, write_atomic
+
+log = logging.getLogger("fastdeploy_ext.jobs")
+
+
+class JobState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class JobRecord:
+    """``job.json``: what the client asked and where the job stands."""
+    job_id: str
+    model: str
+    file_name: str                  # the input's name inside input/ (document.<suffix>)
+    options: dict                   # ParseOptions field overrides (serving_jobs.job_options)
+    secret: str                     # the unguessable part of the result URLs
+    created: float
+    page_ranges: str | None = None
+    batch_id: str | None = None
+    state: JobState = JobState.PENDING
+    error_msg: str | None = None
+    total_pages: int = 0
+    extracted_pages: int = 0        # done or failed pages
+    started: float | None = None
+    finished: float | None = None
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["state"] = self.state.value
+        return (json.dumps(d, ensure_ascii=False) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "JobRecord":
+        d = json.loads(data)
+        d["state"] = JobState(d["state"])
+        return cls(**d)
+
+
+class QueueFull(Exception):
+    """More unfinished jobs than the queue holds."""
+
+
+@dataclass
+class JobsConfig:
+    jobs_dir: Path
+    max_queued_jobs: int = 64           # pending + running; beyond: 429
+    max_upload_bytes: int = 200 << 20
+    ttl_s: float = 86400.0
+    priority_offset: int = 100          # added to every block's priority (chat's default is 0)
+
+
+# ------------------------------------------------------------------ the served engine as a driver
+class ServedEngineDriver:
+    """The pipeline's engine driver over the server's AsyncLLMEngine: each block is one
+    ``generate`` on the server's event loop at the job priority, so parsing and chat share one
+    step loop and one KV pool, chat first."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, priority_offset: int, times=None):
+        self.engine, self.loop, self.offset, self.times = engine, loop, priority_offset, times
+        self.error = None
+        self._ids = 0
+        self._lock = threading.Lock()
+        self._active: set[str] = set()
+
+    def submit(self, prompt: dict, params, priority: int, on_done) -> None:
+        with self._lock:
+            self._ids += 1
+            rid = f"job-{os.getpid()}-{id(self):x}-{self._ids}"
+            self._active.add(rid)
+        asyncio.run_coroutine_threadsafe(self._one(rid, prompt, params, priority + self.offset, on_done), self.loop)
+
+    async def _one(self, rid, prompt, params, priority, on_done) -> None:
+        last = None
+        try:
+            async for out in self.engine.generate(rid, prompt, params, priority=priority):
+                last = out
+        except Exception as e:  # noqa: BLE001 - this block fails (its page with it); the job goes on
+            on_done(None, f"{type(e).__name__}: {e}")
+            return
+        finally:
+            with self._lock:
+                self._active.discard(rid)
+        on_done(last, None if last is not None else "no output")
+
+    def abort(self) -> None:
+        """The run was abandoned (the server stops): its blocks in the engine end now rather
+        than decode on for pages that will be redone."""
+        with self._lock:
+            rids = list(self._active)
+        for rid in rids:
+            asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self.loop)
+
+    def close(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ the store and runner
+class JobService:
+    """Accepts, persists, runs and expires jobs. ``base_opts`` are the server's ParseOptions
+    (models, dpi, limits); a job's options override a few of their fields."""
+
+    def __init__(self, config: JobsConfig, base_opts, engine, *, engine_ready=lambda: True):
+        self.config = config
+        self.base_opts = base_opts
+        self.engine = engine
+        self.engine_ready = engine_ready
+        self.jobs: dict[str, JobRecord] = {}
+        self._queue: list[str] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._models = None          # (renderer, layout), built by the runner on its first job
+        self.counts = {"submitted": 0, "done": 0, "failed": 0, "pages": 0}
+        config.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self._load()
+
+    # ---------------------------------------------------------------- on disk
+    def _dir(self, job_id: str) -> Path:
+        return self.config.jobs_dir / job_id
+
+    def _save(self, rec: JobRecord) -> None:
+        write_atomic(str(self._dir(rec.job_id) / "job.json"), rec.to_json())
+
+    def _load(self) -> None:
+        """Every accepted job from disk: unfinished ones queued again (their workspace resumes)."""
+        resumed = []
+        for d in sorted(self.config.jobs_dir.iterdir()):
+            f = d / "job.json"
+            if not f.is_file():          # a submit that died before its record: never answered
+                if d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+                continue
+            try:
+                rec = JobRecord.from_json(f.read_bytes())
+            except (ValueError, TypeError, KeyError) as e:
+                log.error("jobs: %s is unreadable (%s); left alone", f, e)
+                continue
+            self.jobs[rec.job_id] = rec
+            if rec.state in (JobState.PENDING, JobState.RUNNING):
+                resumed.append(rec)
+        for rec in sorted(resumed, key=lambda r: r.created):
+            self._queue.append(rec.job_id)
+        if self.jobs:
+            log.info("jobs: %d jobs in %s, %d unfinished resumed", len(self.jobs), self.config.jobs_dir,
+                     len(resumed))
+
+    # ---------------------------------------------------------------- accepting
+    def unfinished(self) -> int:
+        return sum(r.state in (JobState.PENDING, JobState.RUNNING) for r in self.jobs.values())
+
+    def submit(self, data: bytes, suffix: str, *, model: str, options: dict, page_ranges: str | None,
+               batch_id: str | None) -> JobRecord:
+        """The input and job.json durably on disk, then queued: QueueFull past the bound."""
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if self.unfinished() >= self.config.max_queued_jobs:
+                raise QueueFull(f"{self.unfinished()} jobs are queued or running (the queue holds "
+                                f"{self.config.max_queued_jobs}); retry later")
+            job_id = secrets.token_hex(16)
+            rec = JobRecord(job_id=job_id, model=model, file_name=f"document{suffix}", options=options,
+                            secret=secrets.token_urlsafe(24), created=time.time(), page_ranges=page_ranges,
+                            batch_id=batch_id)
+            d = self._dir(job_id)
+            (d / "input").mkdir(parents=True)
+            write_atomic(str(d / "input" / rec.file_name), data)
+            fsync_dir(str(d / "input"))
+            self._save(rec)
+            fsync_dir(str(d))
+            fsync_dir(str(self.config.jobs_dir))
+            self.jobs[job_id] = rec
+            self._queue.append(job_id)
+            self.counts["submitted"] += 1
+            self._cv.notify_all()
+        log.info("jobs: accepted %s (%s, %d bytes, model %s%s)", job_id, rec.file_name, len(data), model,
+                 f", batch {batch_id}" if batch_id else "")
+        return rec
+
+    def batch(self, batch_id: str) -> list[JobRecord]:
+        return sorted((r for r in self.jobs.values() if r.batch_id == batch_id), key=lambda r: r.created)
+
+    def result_path(self, rec: JobRecord, rel: str) -> Path | None:
+        """A file of a done job's results by its URL path (result.jsonl, or a crop under ws/);
+        None for anything outside them."""
+        d = self._dir(rec.job_id)
+        if rel == "result.jsonl":
+            p = d / "result.jsonl"
+        else:
+            parts = Path(rel).parts
+            if not parts or parts[0] != "imgs" or ".." in parts or Path(rel).is_absolute():
+                return None
+            p = d / "ws" / rel
+        return p if p.is_file() else None
+
+    # ---------------------------------------------------------------- the runner
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="fdx-jobs", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No new jobs; a job in flight stops recording page failures (its pages stay pending
+        and run again on the next start)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _next(self) -> str | None:
+        with self._cv:
+            while not self._stopping and not (self._queue and self.engine_ready()):
+                self._cv.wait(0.2)
+            return None if self._stopping else self._queue.pop(0)
+
+    def _run(self) -> None:
+        while True:
+            job_id = self._next()
+            if job_id is None:
+                return
+            rec = self.jobs.get(job_id)
+            if rec is None:
+                continue
+            try:
+                self._run_job(rec)
+            except Exception as e:  # noqa: BLE001 - this job fails with the reason; the runner goes on
+                if self._stopping:
+                    return
+                log.exception("jobs: %s failed", job_id)
+                self._finish(rec, JobState.FAILED, f"{type(e).__name__}: {e}")
+
+    def _build(self):
+        if self._models is None:
+            from ...parsing import coordinator
+            from ...parsing.render import PageRenderer
+            self._models = (PageRenderer(workers=self.base_opts.render_workers), coordinator.build_layout(self.base_opts))
+        return self._models
+
+    def _driver_factory(self):
+        if self.base_opts.stub_vlm:
+            return None
+        return lambda times: ServedEngineDriver(self.engine, self._loop, self.config.priority_offset, times)
+
+    def _run_job(self, rec: JobRecord) -> None:
+        from ...parsing import coordinator
+        d = self._dir(rec.job_id)
+        opts = replace(self.base_opts, output=str(d / "ws"), pages=rec.page_ranges, formats=frozenset({"md", "json"}),
+                       jsonl_shards=None, workers=1, retry_failed=False, **rec.options)
+        rec.state, rec.started = JobState.RUNNING, rec.started or time.time()
+        self._save(rec)
+        ws, todo = coordinator.open_workspace(opts, [str(d / "input" / rec.file_name)])
+        try:
+            st = ws.status()
+            rec.total_pages = st.done + st.failed + st.pending
+            rec.extracted_pages = st.done + st.failed
+            log.info("jobs: %s running: %d pages, %d to do", rec.job_id, rec.total_pages, todo)
+            if st.input_errors:
+                self._finish(rec, JobState.FAILED, _input_error(d / "ws"))
+                return
+            if todo:
+                renderer, layout = self._build()
+                sink = _JobSink(ws, self, rec)
+                pipe = coordinator.build_pipeline(opts, renderer=renderer, layout=layout, engine=None, sink=sink,
+                                                  driver_factory=self._driver_factory())
+                for _ in pipe.run(coordinator.leased_jobs(ws, "server", opts.max_pages_in_flight, False)):
+                    if self._stopping:
+                        break
+            if self._stopping:
+                log.info("jobs: %s stopped with %d of %d pages; it resumes on the next start", rec.job_id,
+                         rec.extracted_pages, rec.total_pages)
+                return
+            st = ws.status()
+        finally:
+            ws.close()
+        lines, errors = _result_lines(d / "ws", Path(rec.file_name).stem, st, opts)
+        write_atomic(str(d / "result.jsonl"), "".join(json.dumps(x, ensure_ascii=False) + "\n"
+                                                      for x in lines).encode())
+        if lines and len(errors) == len(lines):
+            self._finish(rec, JobState.FAILED, f"every page failed; page 1: {errors[0]}")
+        else:
+            self._finish(rec, JobState.DONE, None)
+
+    def page_settled(self, rec: JobRecord) -> None:
+        rec.extracted_pages += 1
+        self.counts["pages"] += 1
+
+    def _finish(self, rec: JobRecord, state: JobState, error: str | None) -> None:
+        rec.state, rec.error_msg, rec.finished = state, error, time.time()
+        self._save(rec)
+        self.counts["done" if state is JobState.DONE else "failed"] += 1
+        log.info("jobs: %s %s after %.1f s%s", rec.job_id, state.value, rec.finished - (rec.started or rec.created),
+                 f": {error}" if error else "")
+
+    def remove(self, job_id: str) -> None:
+        """A finished job gone at once (a synchronous /layout-parsing call's, once answered)."""
+        with self._cv:
+            rec = self.jobs.get(job_id)
+            if rec is None or rec.state not in (JobState.DONE, JobState.FAILED):
+                return
+            del self.jobs[job_id]
+        shutil.rmtree(self._dir(job_id), ignore_errors=True)
+
+    # ---------------------------------------------------------------- expiry
+    def expire(self, now: float | None = None) -> int:
+        """Remove finished jobs older than the TTL (their files with them)."""
+        now = time.time() if now is None else now
+        gone = []
+        with self._cv:
+            for rec in list(self.jobs.values()):
+                if rec.finished is not None and rec.state in (JobState.DONE, JobState.FAILED) \
+                        and now - rec.finished > self.config.ttl_s:
+                    del self.jobs[rec.job_id]
+                    gone.append(rec.job_id)
+        for job_id in gone:
+            shutil.rmtree(self._dir(job_id), ignore_errors=True)
+        if gone:
+            log.info("jobs: %d finished jobs expired (--job-ttl %g s) and removed", len(gone), self.config.ttl_s)
+        return len(gone)
+
+    def close(self) -> None:
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._models is not None:
+            self._models[0].close()
+
+
+class _JobSink:
+    """The workspace sink of a job, counting settled pages for the job's progress; while the
+    server stops, a page's failure is not recorded (the engine refusing work because it shuts
+    down is no fault of the page: it stays pending and runs on the next start)."""
+
+    def __init__(self, ws, service: JobService, rec: JobRecord):
+        from ...parsing.coordinator import WorkspaceSink
+        self.inner, self.service, self.rec = WorkspaceSink(ws), service, rec
+
+    def commit(self, job, result) -> bool:
+        ok = self.inner.commit(job, result)
+        if ok:
+            self.service.page_settled(self.rec)
+        return ok
+
+    def fail(self, job, stage: str, message: str) -> None:
+        if self.service.stopping:
+            return
+        self.inner.fail(job, stage, message)
+        self.service.page_settled(self.rec)
+
+
+# ------------------------------------------------------------------ results
+def _errors(ws_dir: Path) -> list[dict]:
+    f = ws_dir / "errors.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+
+
+def _input_error(ws_dir: Path) -> str:
+    errs = _errors(ws_dir)
+    return f"{errs[0]['stage']}: {errs[0]['message']}" if errs else "the document could not be opened"
+
+
+def _result_lines(ws_dir: Path, stem: str, st, opts) -> tuple[list[dict], list[str]]:
+    """One JSON Lines item per page, in page order: ``{"result": {"layoutParsingResults":
+    [page], "dataInfo": ...}}``. Markdown images are keyed by their file name alone (the client
+    saves them into one directory by that name) and the Markdown links to that name; their values
+    are paths relative to the job's result URL, made absolute when served. A failed page is a
+    valid item with empty Markdown and an ``error``."""
+    from ...parsing.sources import count_pages, parse_page_ranges
+    failed = {e["page"]: e for e in _errors(ws_dir)}
+    pages = sorted(int(p.stem.rsplit("_", 1)[1]) for p in ws_dir.glob(f"{stem}_[0-9][0-9][0-9][0-9].json"))
+    inputs = list((ws_dir.parent / "input").iterdir())
+    n = count_pages(inputs[0]) if inputs else 0
+    wanted = [i + 1 for i in parse_page_ranges(opts.pages).select(n)]
+    is_pdf = inputs[0].suffix.lower() == ".pdf" if inputs else False
+    lines, errors = [], []
+    for page in wanted:
+        if page in pages:
+            tag = f"{stem}_{page:04d}"
+            record = json.loads((ws_dir / f"{tag}.json").read_text(encoding="utf-8"))
+            text = (ws_dir / f"{tag}.md").read_text(encoding="utf-8")
+            images = {}
+            for img in sorted((ws_dir / "imgs").glob(f"{tag}_*")) if (ws_dir / "imgs").is_dir() else []:
+                rel = f"imgs/{img.name}"
+                images[img.name] = rel
+                text = text.replace(rel, img.name)
+            item = {"prunedResult": record, "markdown": {"text": text, "images": images}, "outputImages": {}}
+            size = {"width": record.get("width"), "height": record.get("height")}
+        else:
+            e = failed.get(page, {"stage": "unknown", "message": "the page has no result"})
+            errors.append(f"{e['stage']}: {e['message']}")
+            item = {"prunedResult": None, "markdown": {"text": "", "images": {}}, "outputImages": {},
+                    "error": {"stage": e["stage"], "message": e["message"]}}
+            size = {"width": None, "height": None}
+        info = {"type": "pdf", "numPages": n, "pageIndex": page - 1, "pages": [size]} if is_pdf else \
+            {"type": "image", **size}
+        lines.append({"result": {"layoutParsingResults": [item], "dataInfo": info}})
+    return lines, errors
+
+
+__all__ = ["JobRecord", "JobService", "JobState", "JobsConfig", "QueueFull", "ServedEngineDriver"]
