@@ -96,8 +96,10 @@ def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected,
 @pytest.mark.parametrize("mode", ["max_prefill", "chunked"])
 def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode, async_scheduling, case):
     imgs = (list(images) * 2)[:8]      # 8 concurrent requests (the shipped images, twice)
+    # chunks split image tokens: 8 a step, or an eighth of the longest prompt where prompts are
+    # long (DeepSeek-OCR-2's 257 image rows: ~33 a step instead of ~265 steps of 8)
     kw = {"enable_max_prefill": True} if mode == "max_prefill" else \
-        {"enable_max_prefill": False, "max_num_batched_tokens": 8}      # chunks split image tokens
+        {"enable_max_prefill": False, "max_num_batched_tokens": max(8, case.max_prompt_len // 8)}
     llm = make_llm(runner, tiny_vl, async_scheduling, max_model_len=model_len(case, MAX_TOKENS, 256), **kw)
     eng = llm.engine
     for i, p in enumerate(imgs):      # all 8 queued before the first step (no pool timing involved)
