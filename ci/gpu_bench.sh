@@ -3,10 +3,11 @@
 # carried as a wheel (both measured in the same call), the full-size text parity check, bench
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
-#   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill]
+#   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill] [deepseek]
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
 #   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
-#   inter-token gaps of running requests, with mixed steps off and on)
+#   inter-token gaps of running requests, with mixed steps off and on; deepseek: bench vision and
+#   bench generate on DeepSeek-OCR-2 at the released size, dummy weights on both sides, eager ATen)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -71,6 +72,17 @@ if [[ $steps == *" prefill "* ]]; then
     timeout ${PREFILL_TIMEOUT:-240} $FDX bench generate --load-format dummy --device cuda --dtype bfloat16 --no-reference \
       --workloads blocks,lines512 --pages 8 --itl $m --json-out "$OUT/itl${m#--}.json" >> "$log" 2>&1
   done
+fi
+if [[ $steps == *" deepseek "* ]]; then
+  # released size (3.4 B) with random weights; transformers builds the same config with its own
+  # random init, so speed compares and outputs do not (docs/PERFORMANCE.md, DeepSeek-OCR-2)
+  echo "### deepseek_ocr2 bench vision" >> "$log"
+  timeout 240 $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --workloads nocrop,page6,nocrop16,page6x16 --iters 5 --json-out "$OUT/bench_vision_deepseek.json" >> "$log" 2>&1
+  echo "### deepseek_ocr2 bench generate" >> "$log"
+  timeout 300 $FDX bench generate --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --workloads page1,pages64 --pages 16 --page-tokens 256 --page1-tokens 128 --ref-batch 4 \
+    --json-out "$OUT/bench_generate_deepseek.json" >> "$log" 2>&1
 fi
 # serve: our server with mixed steps off (ours) and on (ours_b, SERVE_COMPARE_ARGS; empty: one
 # run) behind the same requests; then each side's req/s, TTFT P95 and client-side inter-token

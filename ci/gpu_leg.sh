@@ -25,7 +25,9 @@
 #   detect (not in "all")  `bench detect --load-format dummy` bf16 at full size (800x800, batch 1/8/32:
 #                ours with its bucket graphs vs transformers, same weights and pixels) and
 #                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect]...
+#   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
+#                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -85,6 +87,15 @@ if [[ " $steps " == *" detect "* ]]; then
   timeout ${DETECT_CHECK_TIMEOUT:-150} python3 ci/detector_bf16_check.py --device cuda \
     --json-out "$OUT/detector_bf16_check.json" > "$OUT/detector_bf16_check.txt" 2>&1 || rc=1
   tail -12 "$OUT/detector_bf16_check.txt"
+fi
+if [[ " $steps " == *" deepseek "* ]]; then
+  for b in cuda metax cpu_amx; do
+    # the metax backend runs EMULATED on the GPU (the suite's plugin enters its emulation)
+    timeout ${DEEPSEEK_TIMEOUT:-400} python3 -m pytest -q \
+      --pyargs fastdeploy_ext.conformance --fdx-backend $b --fdx-family deepseek_ocr2 -p no:cacheprovider \
+      > "$OUT/deepseek_conformance_$b.txt" 2>&1 || rc=1
+    tail -3 "$OUT/deepseek_conformance_$b.txt"
+  done
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

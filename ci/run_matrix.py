@@ -52,9 +52,10 @@ class Leg:
     block_transformers: bool = False
     allow_skips: bool = False
     pending: str | None = None
+    family: str | None = None                     # conformance legs: --fdx-family (default family if None)
 
     FIELDS = ("name", "device", "runs", "hosts", "budget_s", "backend", "paths", "plan", "env",
-              "block_transformers", "allow_skips", "pending")
+              "block_transformers", "allow_skips", "pending", "family")
 
     @property
     def slug(self) -> str:
@@ -106,7 +107,7 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
                   backend=d.get("backend"), paths=tuple(d.get("paths") or ()), plan=plan,
                   env={k: str(v) for k, v in (d.get("env") or {}).items()},
                   block_transformers=bool(d.get("block_transformers", False)),
-                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"))
+                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"))
         RUNS[leg.runs].check(leg)
         legs.append(leg)
     return Matrix(legs, int(data["cpu_budget_total_s"]), int(data["gpu_budget_total_s"]))
@@ -127,11 +128,15 @@ class RunKind:
             raise MatrixError(f"leg {leg.name}: runs {leg.runs} needs `backend`")
         if self.needs_paths and not leg.paths:
             raise MatrixError(f"leg {leg.name}: runs {leg.runs} needs `paths`")
+        if leg.family and leg.runs != "conformance":
+            raise MatrixError(f"leg {leg.name}: `family` is the conformance suite's --fdx-family (runs {leg.runs})")
 
     def args(self, leg: Leg, matrix: Matrix) -> list[str]:
         args = list(self.target or leg.paths)
         if leg.backend:
             args += ["--fdx-backend", leg.backend]
+        if leg.family:
+            args += ["--fdx-family", leg.family]
         if leg.plan:
             args += ["--fdx-plan", ",".join(f"{k}={v}" for k, v in leg.plan.items())]
         if leg.runs == "unit":

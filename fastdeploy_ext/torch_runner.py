@@ -132,7 +132,8 @@ class TorchRunner(DeviceRunner):
                                           deformable_available=kernels.availability(
                                               ComponentKind.DEFORMABLE_ATTENTION, device),
                                           dense_available=kernels.availability(ComponentKind.DENSE_ATTENTION,
-                                                                               device))
+                                                                               device),
+                                          tower_available=kernels.tower_availability(device))
             # no silent fallbacks: what this device will run differently from the plan's decisions
             return dataclasses.replace(plan, notes=plan.notes + fallback_notes(
                 device, bool(plan.fused_layers.value), probe, DTYPE_BY_NAME[plan.dtype.value]))

@@ -206,7 +206,7 @@ def test_a_kind_the_row_lists_no_backend_for_is_a_plan_error_naming_row_and_kind
     ("rows:\n  cpu:\n    default_dtyp: bfloat16\n", r"row cpu: unknown keys \['default_dtyp'\]"),
     ("rows:\n  new_row:\n    runner: cpu_amx\n", r"new_row .*missing key 'kernels'"),
     ("rows:\n  cpu:\n    kernels: {detector_attention: []}\n",
-     r"row cpu.*unknown kernel kind 'detector_attention'; known: deformable_attention, dense_attention, paged_decoder_attention, vision_varlen_attention"),
+     r"row cpu.*unknown kernel kind 'detector_attention'; known: deformable_attention, dense_attention, moe_experts, paged_decoder_attention, prefix_causal_attention, relpos_global_attention, relpos_window_attention, vision_varlen_attention"),
     ("rows:\n  cpu:\n    attention: []\n    kernels: {vision_varlen_attention: []}\n",
      r"row cpu.*gives both attention and kernels.vision_varlen_attention"),
     ("rows:\n  cpu:\n    kernels: {vision_varlen_attention: [{backend: sdpa, dtypes: [float32], graph_safe: true}]}\n",

@@ -210,9 +210,9 @@ def test_breaking_the_tower_breaks_parity(features, ours, monkeypatch, fault):
     if fault == "masked_window_padding":
         real = vision_mod.SamBlock.forward
 
-        def padded_zero_qkv(self, x):
+        def padded_zero_qkv(self, x, strided=True):
             if not self.window:
-                return real(self, x)
+                return real(self, x, strided)
             # pad the *output of qkv* with zeros instead of its input: padded keys lose their bias
             b, h, w, d = x.shape
             s = self.window
@@ -240,6 +240,29 @@ def test_breaking_the_tower_breaks_parity(features, ours, monkeypatch, fault):
     with torch.inference_mode():
         got = vis(pixels, meta, fam.vision_execution(None, False, False))
     assert (got - torch.cat(want)).abs().max().item() > 1e-3
+
+
+def test_strided_and_dense_qkv_agree_and_reach_sdpa_as_planned(features, ours, monkeypatch):
+    """The plan's qkv_layout reaches SAM: strided hands SDPA views of the fused projection,
+    dense contiguous copies; the features agree (the parity above ran dense)."""
+    pixels, meta, dense, _ = features
+    fam, cfg, vis, *_ = ours
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None and attn_mask.is_floating_point():      # SAM's rel-pos bias
+            seen.append(q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with torch.inference_mode():
+        strided = vis(pixels, meta, fam.vision_execution(None, True, False))
+        assert seen and not any(seen)
+        seen.clear()
+        again = vis(pixels, meta, fam.vision_execution(None, False, False))
+        assert seen and all(seen)
+    assert torch.equal(again, dense)
+    assert (strided - dense).abs().max().item() <= 1e-5
 
 
 def reference_attend(i, q, k, v):

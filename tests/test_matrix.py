@@ -38,6 +38,18 @@ def test_the_matrix_covers_every_device_within_budget():
     assert all(leg.allow_skips is False for leg in active if leg.runs in ("conformance", "encode", "paddle", "oot"))
 
 
+def test_a_conformance_leg_names_its_family_and_only_conformance_legs_may(tmp_path):
+    """The DeepSeek-OCR-2 leg runs the suite with --fdx-family; `family` elsewhere is an error."""
+    m = run_matrix.load_matrix()
+    ds = next(leg for leg in m.legs if leg.name == "cpu/deepseek-ocr2")
+    args = run_matrix.RUNS[ds.runs].args(ds, m)
+    assert args[args.index("--fdx-family") + 1] == "deepseek_ocr2" and "--pyargs" in args
+    bad = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                 + leg("cpu/x", more=", family: deepseek_ocr2"))
+    with pytest.raises(run_matrix.MatrixError, match="leg cpu/x: `family` is the conformance suite's --fdx-family"):
+        run_matrix.load_matrix(bad)
+
+
 def _write(tmp_path: Path, matrix: str) -> Path:
     (tmp_path / "test_pass.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
     (tmp_path / "test_fail.py").write_text("def test_bad():\n    assert 1 + 1 == 3\n")

@@ -4,18 +4,17 @@ decomposition in inference mode, their ATen parts otherwise), the same ops on ho
 not (the host metadata path computes on them by design), and the host cannot be watched."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from fastdeploy_ext.conformance.family_fixture import SyncTargets
 from fastdeploy_ext.conformance.test_sync import MUTATIONS
 from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
 
 
-def _meta(device: str) -> SimpleNamespace:
-    return SimpleNamespace(cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32).to(device),
-                           merge_index=torch.arange(10).to(device), cos=torch.rand(10, 4).to(device))
+def _meta(device: str) -> SyncTargets:
+    return SyncTargets(offsets=torch.tensor([0, 4, 10], dtype=torch.int32).to(device),
+                       index=torch.arange(10).to(device), values=torch.rand(10, 4).to(device))
 
 
 @pytest.mark.parametrize("inference", [True, False], ids=["inference_mode", "no_grad"])

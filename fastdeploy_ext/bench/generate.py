@@ -510,6 +510,15 @@ class TransformersReference:
         return dt, out[:, n:].tolist()
 
 
+def reference_class(engine: LLMEngine):
+    """transformers' model of the engine's family: PaddleOCR-VL's above, DeepSeek-OCR-2's in its
+    family package (one request per generate call there)."""
+    if getattr(engine.runner, "family", None) is not None and engine.runner.family.name == "deepseek_ocr2":
+        from ..models.deepseek_ocr2.bench import TransformersReference as DeepseekReference
+        return DeepseekReference
+    return TransformersReference
+
+
 # ------------------------------------------------------------------ the run
 # The reference runs in this process on the same GPU: its weights, KV cache and a 32-page vision
 # pass need tens of GiB, which a KV pool sized at 0.9 of the card leaves no room for (measured on
@@ -526,7 +535,7 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
     engine = LLMEngine(config)
     device = torch.device(engine.runner.device)
     dtype = engine.runner.dtype
-    ref = TransformersReference(config.model, device, dtype, engine) if opts.reference else None
+    ref = reference_class(engine)(config.model, device, dtype, engine) if opts.reference else None
     report = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "model": config.model or "dummy",
               "max_prefill": bool(engine.max_prefill.value), "max_num_seqs": config.max_num_seqs,
               "max_num_batched_tokens": config.max_num_batched_tokens,

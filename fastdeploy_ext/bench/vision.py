@@ -125,7 +125,13 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOptions) -> int:
     """Every variant of VARIANTS (or those opts.variants names) on opts.workloads; ``base``: the
-    user's plan flags, which override the variants' where they are not "auto"."""
+    user's plan flags, which override the variants' where they are not "auto". A DeepSeek-OCR-2
+    model has its own workloads and reference (models/deepseek_ocr2/bench.py)."""
+    from ..models.registry import detect_family
+    family = detect_family(source.model_dir if source.load_format != "dummy" else None, source.model_family).family
+    if family.name == "deepseek_ocr2":
+        from ..models.deepseek_ocr2.bench import run_vision_bench as run_family_bench
+        return run_family_bench(source, base, opts)
     workloads = list(opts.workloads)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:

@@ -28,9 +28,20 @@ class FamilyFact(str, Enum):
     GRID_THW_LAYOUTS = "grid_thw_layouts"       # host and device metadata paths (bitwise equal, host one sync-free)
     QKV_STRIDED = "qkv_strided"                 # strided == dense qkv; the strided kernel reads the projection's views
     VARIABLE_GRIDS = "variable_grids"           # images of any patch grid packed together (padding segments, budgets)
+    SYNC_INJECTION = "sync_injection"           # sync_targets(): device tensors of the host metadata path to
+    #                                             inject syncs on (the guard must fire on each)
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class SyncTargets:
+    """Device tensors made on the host metadata path (on the checked runner's device), for the
+    sync-injection tests to read back in every way DESIGN.md section 6 lists."""
+    index: torch.Tensor          # int64 [N], values >= 0
+    offsets: torch.Tensor        # int32 [k + 1], non-decreasing from 0
+    values: torch.Tensor         # fp32
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,11 @@ class ConformanceFixture(ABC):
 
     @abstractmethod
     def generate_case(self) -> GenerateCase: ...
+
+    def sync_targets(self, builder, meta) -> SyncTargets:
+        """The device tensors of what ``builder.build_host`` just returned (FamilyFact.SYNC_INJECTION).
+        The default reads PaddleOCR-VL's metadata: merge permutation, cu_seqlens, rotary cos."""
+        return SyncTargets(meta.merge_index, meta.cu_seqlens, meta.cos)
 
     @abstractmethod
     def bad_batches(self) -> dict[str, tuple[torch.Tensor, list, str]]:

@@ -96,8 +96,10 @@ def test_greedy_matches_transformers_generate(runner, tiny_vl, images, expected,
 @pytest.mark.parametrize("mode", ["max_prefill", "chunked"])
 def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected, mode, async_scheduling, case):
     imgs = (list(images) * 2)[:8]      # 8 concurrent requests (the shipped images, twice)
+    # chunks split image tokens: 8 a step, or an eighth of the longest prompt where prompts are
+    # long (DeepSeek-OCR-2's 257 image rows: ~33 a step instead of ~265 steps of 8)
     kw = {"enable_max_prefill": True} if mode == "max_prefill" else \
-        {"enable_max_prefill": False, "max_num_batched_tokens": 8}      # chunks split image tokens
+        {"enable_max_prefill": False, "max_num_batched_tokens": max(8, case.max_prompt_len // 8)}
     llm = make_llm(runner, tiny_vl, async_scheduling, max_model_len=model_len(case, MAX_TOKENS, 256), **kw)
     eng = llm.engine
     for i, p in enumerate(imgs):      # all 8 queued before the first step (no pool timing involved)
@@ -115,22 +117,32 @@ def test_concurrent_equals_alone_in_both_modes(runner, tiny_vl, images, expected
 
 
 def test_preemption_keeps_tokens(runner, tiny_vl, images, expected, async_scheduling, case):
-    """A pool of one max_model_len sequence plus a block: 8 requests of 40 tokens must preempt
-    (recompute) and still give each request's tokens alone."""
+    """A pool of one max_model_len sequence plus a block: 8 requests of 40 tokens (a family with
+    long prompts: its 4 images, as many tokens as its longest prompt) must preempt (recompute)
+    and still give each request's tokens alone."""
     # growth must outweigh the prompts for two of them to outgrow one sequence's pool: 40 tokens,
     # or as many as a family's longest prompt where its prompts are long (DeepSeek-OCR-2: ~260)
     grow = max(40, case.max_prompt_len)
     long = SamplingParams(temperature=0, max_tokens=grow, ignore_eos=True)
-    imgs = (list(images) * 2)[:8]
+    # long prompts: every request decodes ~prompt-length tokens nearly serially through a pool
+    # of one sequence (most of the family's suite time): each image once, and the unpreempted
+    # ids from one batch of a big pool (test_concurrent_equals_alone_in_both_modes holds that
+    # batch to each request alone); otherwise 8 requests against each one alone
+    long_prompts = case.max_prompt_len > 0
+    imgs = list(images) if long_prompts else (list(images) * 2)[:8]
     n = model_len(case, grow, 80)
     big = make_llm(runner, tiny_vl, async_scheduling, max_model_len=n)
-    alone = [big.generate([{"prompt": PROMPT, "images": [str(p)]}], long, use_tqdm=False)[0].outputs[0].token_ids
-             for p in images]
+    if long_prompts:
+        alone = [o.outputs[0].token_ids for o in big.generate([{"prompt": PROMPT, "images": [str(p)]} for p in images],
+                                                              long, use_tqdm=False)]
+    else:
+        alone = [big.generate([{"prompt": PROMPT, "images": [str(p)]}], long, use_tqdm=False)[0].outputs[0].token_ids
+                 for p in images]
     assert [a[:MAX_TOKENS] for a in alone] == expected["token_ids"]
     bs = runner.kv_cache_spec().block_size
     small = make_llm(runner, tiny_vl, async_scheduling, max_model_len=n, num_kv_blocks=-(-n // bs) + 1)
     outs = small.generate([{"prompt": PROMPT, "images": [str(p)]} for p in imgs], long, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == (alone * 2)[:8]
+    assert [o.outputs[0].token_ids for o in outs] == (alone * 2)[:len(imgs)]
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.block_manager.num_used == 0
 

@@ -6,9 +6,12 @@ device tensors live on ``meta``, where a transfer to the host is visible). The g
 data-dependent ops, read-backs and device->host transfers; on CUDA it adds
 ``set_sync_debug_mode('error')``. Every way to sync listed in DESIGN.md section 6 is injected
 into the host metadata builder below and must make the guard fire, so a pass means something.
-The injections read PaddleOCR-VL's metadata fields (merge permutation, rotary tables) and the
-device path's syncs: those tests are for families with FamilyFact.GRID_THW_LAYOUTS; the
-host path's own no-sync proof runs on every family.
+The injections read device tensors of the host metadata path that the family's fixture names
+(``sync_targets``: PaddleOCR-VL's merge permutation, cu_seqlens and rotary tables; DeepSeek-OCR-2's
+tensors made from its view sizes on the builder's device): those tests, and the device path's
+syncs, are for families with FamilyFact.SYNC_INJECTION; the tests of PaddleOCR-VL's metadata
+tables (the meta twin's tables, a cache miss) for FamilyFact.GRID_THW_LAYOUTS; the host path's
+own no-sync proof runs on every family.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..sync_guard import HostSyncError
 from .family_fixture import FamilyFact
 
 GRID_LAYOUTS = pytest.mark.fdx_family_fact(FamilyFact.GRID_THW_LAYOUTS)
+SYNC_INJECTION = pytest.mark.fdx_family_fact(FamilyFact.SYNC_INJECTION)
 
 
 @pytest.fixture(scope="module")
@@ -70,59 +74,60 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
 
 
 # Each way to sync of DESIGN.md section 6, applied to the device-side tensors the host builder
-# just made (cu_seqlens int32 [segments+1], merge_index int64 [N], cos fp32 [N, D]).
+# just made (SyncTargets: offsets int32 [k+1], index int64 [N], values fp32).
 MUTATIONS = {
-    "nonzero": lambda m: torch.nonzero(m.merge_index),
-    "argwhere": lambda m: torch.argwhere(m.merge_index),
-    "where_one_argument": lambda m: torch.where(m.merge_index > 0),
-    "boolean_mask_indexing": lambda m: m.merge_index[m.merge_index > 0],
-    "boolean_mask_assignment": lambda m: m.merge_index.clone().__setitem__(m.merge_index < 0, 0),
-    "masked_select": lambda m: torch.masked_select(m.merge_index, m.merge_index > 0),
+    "nonzero": lambda m: torch.nonzero(m.index),
+    "argwhere": lambda m: torch.argwhere(m.index),
+    "where_one_argument": lambda m: torch.where(m.index > 0),
+    "boolean_mask_indexing": lambda m: m.index[m.index > 0],
+    "boolean_mask_assignment": lambda m: m.index.clone().__setitem__(m.index < 0, 0),
+    "masked_select": lambda m: torch.masked_select(m.index, m.index > 0),
     "repeat_interleave_tensor_repeats": lambda m: torch.repeat_interleave(
-        m.cu_seqlens[:-1].long(), m.cu_seqlens.diff().long()),
-    "repeat_interleave_repeats_only": lambda m: torch.repeat_interleave(m.cu_seqlens.diff().long()),
-    "unique": lambda m: torch.unique(m.merge_index),
-    "unique_consecutive": lambda m: torch.unique_consecutive(m.merge_index),
-    "bincount": lambda m: torch.bincount(m.merge_index),
-    "one_hot_without_num_classes": lambda m: torch.nn.functional.one_hot(m.merge_index),
-    "size_from_tensor": lambda m: torch.zeros(m.cu_seqlens[-1], device=m.cu_seqlens.device),
-    "int": lambda m: int(m.cu_seqlens[-1]),
-    "bool": lambda m: bool(m.cu_seqlens[-1] > 0),
-    "item": lambda m: m.cu_seqlens[-1].item(),
-    "tolist": lambda m: m.cu_seqlens.tolist(),
-    "numpy": lambda m: m.cu_seqlens.numpy(),
-    "to_cpu": lambda m: m.cu_seqlens.to("cpu"),
-    "cpu": lambda m: m.cu_seqlens.cpu(),
-    "copy_into_host_tensor": lambda m: _host_buffer(m.cu_seqlens).copy_(m.cu_seqlens),
-    "torch_equal": lambda m: torch.equal(m.cu_seqlens, m.cu_seqlens),
-    "allclose": lambda m: torch.allclose(m.cos, m.cos),
+        m.offsets[:-1].long(), m.offsets.diff().long()),
+    "repeat_interleave_repeats_only": lambda m: torch.repeat_interleave(m.offsets.diff().long()),
+    "unique": lambda m: torch.unique(m.index),
+    "unique_consecutive": lambda m: torch.unique_consecutive(m.index),
+    "bincount": lambda m: torch.bincount(m.index),
+    "one_hot_without_num_classes": lambda m: torch.nn.functional.one_hot(m.index),
+    "size_from_tensor": lambda m: torch.zeros(m.offsets[-1], device=m.offsets.device),
+    "int": lambda m: int(m.offsets[-1]),
+    "bool": lambda m: bool(m.offsets[-1] > 0),
+    "item": lambda m: m.offsets[-1].item(),
+    "tolist": lambda m: m.offsets.tolist(),
+    "numpy": lambda m: m.offsets.numpy(),
+    "to_cpu": lambda m: m.offsets.to("cpu"),
+    "cpu": lambda m: m.offsets.cpu(),
+    "copy_into_host_tensor": lambda m: _host_buffer(m.offsets).copy_(m.offsets),
+    "torch_equal": lambda m: torch.equal(m.offsets, m.offsets),
+    "allclose": lambda m: torch.allclose(m.values, m.values),
 }
 
 
-def _inject(monkeypatch, builder, mutation) -> None:
-    """``mutation`` applied to what the runner's own metadata builder class returns."""
+def _inject(monkeypatch, builder, mutation, fixture) -> None:
+    """``mutation`` applied to the device tensors (the fixture's sync_targets) of what the
+    runner's own metadata builder class returns."""
     cls = type(builder)
     original = cls.build_host
 
-    def build_host(self, grids):
-        meta = original(self, grids)
-        mutation(meta)
+    def build_host(self, grids, *args, **kwargs):
+        meta = original(self, grids, *args, **kwargs)
+        mutation(fixture.sync_targets(self, meta))
         return meta
     monkeypatch.setattr(cls, "build_host", build_host)
 
 
-@GRID_LAYOUTS
+@SYNC_INJECTION
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_guard_fires_on_each_sync_injected_into_the_host_builder(name, checked, tiny_models, batch_for,
-                                                                  monkeypatch):
+                                                                  monkeypatch, family_fixture):
     batch = batch_for(tiny_models["torch"], 2)
-    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name])
+    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name], family_fixture)
     with pytest.raises(HostSyncError, match="host sync"):
         with checked.sync_guard():
             checked.encode_images(batch)
 
 
-@GRID_LAYOUTS
+@SYNC_INJECTION
 def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner, batch_for):
     """The reference (device metadata) path reads sizes back; the guard must see it. On a CUDA
     device set_sync_debug_mode('error') may name the sync before the op-level guard does (seen on
@@ -133,10 +138,10 @@ def test_device_path_is_a_separate_path_that_does_sync(tiny_models, make_runner,
             checked.encode_images(batch_for(tiny_models["torch"], 1))
 
 
-@GRID_LAYOUTS
+@SYNC_INJECTION
 @pytest.mark.fdx_device("cuda")
 @pytest.mark.parametrize("name", ["nonzero", "boolean_mask_indexing", "item", "to_cpu"])
-def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch_for, monkeypatch):
+def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch_for, monkeypatch, family_fixture):
     """CUDA only: CUDA's sync debug mode ('error', set by sync_guard.cuda_sync_guard) alone — the op-level guard not
     installed — fails on an implicit sync injected into the host builder, and passes the
     unmodified path: the CUDA proof stands without the op list."""
@@ -145,7 +150,7 @@ def test_cuda_sync_debug_mode_fires_on_its_own(name, checked, tiny_models, batch
     checked.encode_images(batch)
     with cuda_sync_guard():
         checked.encode_images(batch)
-    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name])
+    _inject(monkeypatch, checked.meta_builder, MUTATIONS[name], family_fixture)
     with pytest.raises(RuntimeError, match="synchroniz") as info:
         with cuda_sync_guard():
             checked.encode_images(batch)

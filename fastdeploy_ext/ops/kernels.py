@@ -23,11 +23,17 @@ def _kind_types() -> dict[ComponentKind, type]:
     from .attention.deformable import DeformableAttentionBackend
     from .attention.dense import DenseAttentionBackend
     from .attention.paged import PagedAttentionBackend
+    from .attention.biased import MaskedAttentionBackend
     from .attention.varlen import VarlenAttention
+    from .moe import MoEExpertsBackend
     return {ComponentKind.VISION_VARLEN_ATTENTION: VarlenAttention,
             ComponentKind.PAGED_DECODER_ATTENTION: PagedAttentionBackend,
             ComponentKind.DEFORMABLE_ATTENTION: DeformableAttentionBackend,
-            ComponentKind.DENSE_ATTENTION: DenseAttentionBackend}
+            ComponentKind.DENSE_ATTENTION: DenseAttentionBackend,
+            ComponentKind.RELPOS_WINDOW_ATTENTION: MaskedAttentionBackend,
+            ComponentKind.RELPOS_GLOBAL_ATTENTION: MaskedAttentionBackend,
+            ComponentKind.PREFIX_CAUSAL_ATTENTION: MaskedAttentionBackend,
+            ComponentKind.MOE_EXPERTS: MoEExpertsBackend}
 
 
 class KernelRegistry:
@@ -90,6 +96,18 @@ class KernelRegistry:
         with ``available(device)``)."""
         return {n: b.available(device) for n, b in self.backends(kind).items()}
 
+    def tower_availability(self, device: torch.device) -> dict[ComponentKind, dict[str, tuple[bool, bool, str]]]:
+        """DeepSeek-OCR-2's kinds: per kind, every backend's (present, reads_strides, reason) on
+        ``device`` (reads_strides False for kinds that take no q/k/v)."""
+        from ..plan.tower_kinds import TOWER_KINDS
+        out = {}
+        for kind in TOWER_KINDS:
+            out[kind] = {}
+            for n, b in self.backends(kind).items():
+                ok, why = b.available(device)
+                out[kind][n] = (ok, bool(getattr(b, "reads_strides", False)), why)
+        return out
+
 
 @functools.cache
 def builtin_kernels() -> KernelRegistry:
@@ -97,11 +115,17 @@ def builtin_kernels() -> KernelRegistry:
     from .attention.deformable import BUILTIN_DEFORMABLE_BACKENDS
     from .attention.dense import BUILTIN_DENSE_BACKENDS
     from .attention.paged import BUILTIN_PAGED_BACKENDS
+    from .attention.biased import BUILTIN_PREFIX_BACKENDS, BUILTIN_RELPOS_BACKENDS
     from .attention.varlen import BUILTIN_VARLEN_BACKENDS
+    from .moe import BUILTIN_MOE_BACKENDS
     return KernelRegistry({ComponentKind.VISION_VARLEN_ATTENTION: {b.name: b for b in BUILTIN_VARLEN_BACKENDS},
                            ComponentKind.PAGED_DECODER_ATTENTION: {b.name: b for b in BUILTIN_PAGED_BACKENDS},
                            ComponentKind.DEFORMABLE_ATTENTION: {b.name: b for b in BUILTIN_DEFORMABLE_BACKENDS},
-                           ComponentKind.DENSE_ATTENTION: {b.name: b for b in BUILTIN_DENSE_BACKENDS}})
+                           ComponentKind.DENSE_ATTENTION: {b.name: b for b in BUILTIN_DENSE_BACKENDS},
+                           ComponentKind.RELPOS_WINDOW_ATTENTION: {b.name: b for b in BUILTIN_RELPOS_BACKENDS},
+                           ComponentKind.RELPOS_GLOBAL_ATTENTION: {b.name: b for b in BUILTIN_RELPOS_BACKENDS},
+                           ComponentKind.PREFIX_CAUSAL_ATTENTION: {b.name: b for b in BUILTIN_PREFIX_BACKENDS},
+                           ComponentKind.MOE_EXPERTS: {b.name: b for b in BUILTIN_MOE_BACKENDS}})
 
 
 def kernels_for(runner_cls) -> KernelRegistry:

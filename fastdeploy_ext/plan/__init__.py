@@ -22,10 +22,12 @@ from .request import PlanRequest, RunPlan
 from .resolve import KIND_RESOLVERS, resolve_for_components, resolve_plan
 from .deformable_attention import BUILTIN_DENSE, BUILTIN_DEFORMABLE, resolve_dense_attention, resolve_deformable_attention
 from .table import (DEFAULT_KV_BLOCK_SIZE, DEFAULT_TEXT_ATTENTION, ENTRY_PARSERS, LEGACY_KEYS, AttentionEntry,
-                    CapabilityRow, DeformableAttentionEntry, DenseAttentionEntry, KernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
+                    CapabilityRow, DeformableAttentionEntry, DenseAttentionEntry, KernelEntry, TowerKernelEntry, KernelFacts, TextAttentionEntry, load_table, normalize_kernels)
+from .tower_kinds import BUILTIN_TOWER, TOWER_KINDS, resolve_tower_kind, resolve_tower_qkv_layout
 from .vision_attention import VisionKernels, resolve_vision_attention
 
 __all__ = [
+    "BUILTIN_TOWER", "TOWER_KINDS", "TowerKernelEntry", "resolve_tower_kind", "resolve_tower_qkv_layout",
     "AUTO", "BUILTIN_DENSE", "BUILTIN_DEFORMABLE", "DEFAULT_DETECTOR_CAPTURE_SIZES", "DETECTOR_GRAPH_KIND",
     "DeformableAttentionEntry", "DenseAttentionEntry", "resolve_dense_attention", "resolve_deformable_attention",
     "resolve_detector_graphs", "resolve_detector_masks", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",

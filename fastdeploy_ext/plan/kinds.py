@@ -66,6 +66,13 @@ class ComponentKind(_Choice):
     DEFORMABLE_ATTENTION = "deformable_attention"           # a detector's multi-scale deformable sampling
     DENSE_ATTENTION = "dense_attention"                     # unmasked attention over equal-length sequences
     #                                                         (a detector's AIFI layer: one feature map a page)
+    # DeepSeek-OCR-2's vision tower and MoE decoder (equal-length sequences, no cache)
+    RELPOS_WINDOW_ATTENTION = "relpos_window_attention"     # windows of a grid with a decomposed
+    #                                                         relative-position bias (SAM's windowed layers)
+    RELPOS_GLOBAL_ATTENTION = "relpos_global_attention"     # the whole grid with that bias (SAM's global layers)
+    PREFIX_CAUSAL_ATTENTION = "prefix_causal_attention"     # a bidirectional prefix, causal queries after it
+    #                                                         (an encoder over [visual tokens, learned queries])
+    MOE_EXPERTS = "moe_experts"                             # the routed experts' GEMMs of a mixture of experts
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ class Component:
     head_dim: int
     num_heads: int
     num_kv_heads: int | None = None    # paged decoder attention: heads of the KV cache
+    #: what a component that is no attention is, for describe() (MoE experts: their count and
+    #: widths); its head_dim / num_heads are 0
+    detail: str | None = None
 
 
 def component_of(components: Sequence[Component], kind: ComponentKind) -> Component:

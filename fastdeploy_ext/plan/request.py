@@ -68,6 +68,11 @@ class RunPlan:
     dense_attention: Decision = Decision(None, "the model has no dense attention")
     detector_graphs: Decision = Decision((), "the model is no detector")   # value: batch-size buckets
     detector_masks: Decision = Decision(None, "the model is no detector")
+    # DeepSeek-OCR-2's vision tower and MoE (plan/tower_kinds.py)
+    relpos_window_attention: Decision = Decision(None, "the model has no windowed rel-pos attention")
+    relpos_global_attention: Decision = Decision(None, "the model has no global rel-pos attention")
+    prefix_causal_attention: Decision = Decision(None, "the model has no prefix-causal attention")
+    moe_experts: Decision = Decision(None, "the model has no MoE")
 
     #: the decision holding each kernel kind's backend (a new kind adds its field and an entry)
     KERNEL_FIELD: ClassVar[dict[ComponentKind, str]] = {
@@ -75,7 +80,15 @@ class RunPlan:
         ComponentKind.PAGED_DECODER_ATTENTION: "text_attention",
         ComponentKind.DEFORMABLE_ATTENTION: "deformable_attention",
         ComponentKind.DENSE_ATTENTION: "dense_attention",
+        ComponentKind.RELPOS_WINDOW_ATTENTION: "relpos_window_attention",
+        ComponentKind.RELPOS_GLOBAL_ATTENTION: "relpos_global_attention",
+        ComponentKind.PREFIX_CAUSAL_ATTENTION: "prefix_causal_attention",
+        ComponentKind.MOE_EXPERTS: "moe_experts",
     }
+    #: kinds whose decisions describe() prints only for a model that declares them
+    DECLARED_ONLY: ClassVar[tuple[ComponentKind, ...]] = (
+        ComponentKind.RELPOS_WINDOW_ATTENTION, ComponentKind.RELPOS_GLOBAL_ATTENTION,
+        ComponentKind.PREFIX_CAUSAL_ATTENTION, ComponentKind.MOE_EXPERTS)
 
     @property
     def strided_qkv(self) -> bool:
@@ -115,6 +128,8 @@ class RunPlan:
         tag = " [EMULATED]" if self.emulated else ""
         lines = [f"plan: runner={self.runner} row={self.row} device={self.device}{tag}"]
         decisions = self.detector_decisions() if self.is_detector else self.decisions()
+        declared = {c.kind for c in self.components}
+        decisions |= {self.KERNEL_FIELD[k]: self.kernel(k) for k in self.DECLARED_ONLY if k in declared}
         width = max(15, *map(len, decisions))
         for k, d in decisions.items():
             v = d.value
@@ -129,7 +144,8 @@ class RunPlan:
             lines.append(f"  attention fallbacks: {', '.join(self.attention_fallbacks)}")
         for c, d in self.component_kernels():
             kv = f", {c.num_kv_heads} KV heads" if c.num_kv_heads is not None else ""
-            lines.append(f"  component {c.name:<17} {c.kind}: {c.num_heads} heads of {c.head_dim}{kv} -> {d.value}")
+            what = c.detail if c.detail is not None else f"{c.num_heads} heads of {c.head_dim}{kv}"
+            lines.append(f"  component {c.name:<17} {c.kind}: {what} -> {d.value}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from .deformable_attention import (BUILTIN_DENSE, BUILTIN_DEFORMABLE, resolve_de
 from .paged_attention import resolve_paged_attention
 from .request import PlanRequest, RunPlan
 from .table import CapabilityRow, KernelFacts
+from .tower_kinds import BUILTIN_TOWER, TOWER_KINDS, resolve_tower_kind, resolve_tower_qkv_layout
 from .vision_attention import VisionKernels, resolve_vision_attention
 
 #: one resolver per kernel kind, run in this order for the kinds the model declares
@@ -26,6 +27,7 @@ KIND_RESOLVERS: dict[ComponentKind, Callable[[KindContext], KernelChoice]] = {
     ComponentKind.PAGED_DECODER_ATTENTION: resolve_paged_attention,
     ComponentKind.DEFORMABLE_ATTENTION: resolve_deformable_attention,
     ComponentKind.DENSE_ATTENTION: resolve_dense_attention,
+    **{kind: resolve_tower_kind for kind in TOWER_KINDS},
 }
 
 
@@ -49,7 +51,9 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                            row_reason: str = "", text_available: Mapping[str, tuple[bool, str]] | None = None,
                            consumers_needing_dense: tuple[str, ...] = (),
                            deformable_available: Mapping[str, tuple[bool, str]] | None = None,
-                           dense_available: Mapping[str, tuple[bool, str]] | None = None) -> RunPlan:
+                           dense_available: Mapping[str, tuple[bool, str]] | None = None,
+                           tower_available: Mapping[ComponentKind, Mapping[str, tuple[bool, bool, str]]] | None = None
+                           ) -> RunPlan:
     """The plan for a model's declared components. ``kernels``: vision attention backend name ->
     its facts and presence on this device (the backend objects': KernelRegistry.facts); a
     listed backend missing there is unavailable. ``text_available`` the same for the paged
@@ -58,7 +62,10 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
     contiguous q/k/v (e.g. an in-place q/k norm); non-empty forbids the strided layout.
     ``deformable_available`` / ``dense_available``: the deformable and dense attention backends,
     (present, reason) each (None: the built-in ATen ones). A model with deformable attention is a
-    layout detector: its graphs and masks are decided too."""
+    layout detector: its graphs and masks are decided too. ``tower_available``: per kind of
+    DeepSeek-OCR-2's (plan/tower_kinds.py), its backends' (present, reads_strides, reason) (None:
+    the built-in ATen ones); a model with windowed rel-pos attention and no varlen attention has
+    its qkv layout decided by that kernel."""
     request.validate()
     notes: list[str] = [f"row {row.name}: {row_reason}"] if row_reason else []
     by_kind = components_by_kind(components)
@@ -76,6 +83,8 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
         else deformable_available,
         ComponentKind.DENSE_ATTENTION: BUILTIN_DENSE if dense_available is None else dense_available,
     }
+    available |= {kind: (BUILTIN_TOWER if tower_available is None else tower_available).get(kind, {})
+                  for kind in TOWER_KINDS}
     chosen = {kind: resolve(KindContext(row, kind, by_kind[kind], request, dtype.value, available[kind], notes))
               for kind, resolve in KIND_RESOLVERS.items() if kind in by_kind}
     vision = chosen.get(ComponentKind.VISION_VARLEN_ATTENTION)
@@ -85,7 +94,15 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
     is_detector = ComponentKind.DEFORMABLE_ATTENTION in by_kind
     vision_component = by_kind.get(ComponentKind.VISION_VARLEN_ATTENTION)
     vk = VisionKernels(row, kernels, vision_component.head_dim if vision_component else 0, dtype.value)
-    qkv = resolve_qkv_layout(vk, vision, request.qkv_layout, consumers_needing_dense)
+    windowed = chosen.get(ComponentKind.RELPOS_WINDOW_ATTENTION)
+    if vision is None and windowed is not None:
+        qkv = resolve_tower_qkv_layout(row, windowed, available[ComponentKind.RELPOS_WINDOW_ATTENTION],
+                                       request.qkv_layout)
+    else:
+        qkv = resolve_qkv_layout(vk, vision, request.qkv_layout, consumers_needing_dense)
+
+    def kernel(kind: ComponentKind, absent: str) -> Decision:
+        return chosen[kind].decision if kind in chosen else Decision(None, absent)
     grid = resolve_grid_source(row, request.grid_thw)
     graphs = resolve_encoder_graphs(vk, vision, grid, gc)
     fused = resolve_fused_layers(row, request.fused_layers, kernels, notes)
@@ -101,6 +118,13 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                    dense_attention=dense.decision if dense else Decision(None, "the model has no dense attention"),
                    detector_graphs=resolve_detector_graphs(row, gc, is_detector),
                    detector_masks=resolve_detector_masks(request.detector_masks, is_detector),
+                   relpos_window_attention=kernel(ComponentKind.RELPOS_WINDOW_ATTENTION,
+                                                  "the model has no windowed rel-pos attention"),
+                   relpos_global_attention=kernel(ComponentKind.RELPOS_GLOBAL_ATTENTION,
+                                                  "the model has no global rel-pos attention"),
+                   prefix_causal_attention=kernel(ComponentKind.PREFIX_CAUSAL_ATTENTION,
+                                                  "the model has no prefix-causal attention"),
+                   moe_experts=kernel(ComponentKind.MOE_EXPERTS, "the model has no MoE"),
                    graph_split_oversize=gc.encoder_split_oversize_batches, components=tuple(components))
 
 

@@ -63,7 +63,19 @@ class DenseAttentionEntry:
     dtypes: tuple[str, ...]
 
 
-KernelEntry = Union[AttentionEntry, TextAttentionEntry, DeformableAttentionEntry, DenseAttentionEntry]
+@dataclass(frozen=True)
+class TowerKernelEntry:
+    """A backend of one of DeepSeek-OCR-2's kinds (a biased / prefix-masked attention, the MoE
+    experts' GEMMs): the row's dtypes for it, and for the attention kinds optionally
+    ``reads_strides: false`` where strided q/k/v loads are not verified on this device (a row can
+    only narrow what the backend object says)."""
+    backend: str
+    dtypes: tuple[str, ...]
+    reads_strides: bool | None = None      # None: the backend's own fact
+
+
+KernelEntry = Union[AttentionEntry, TextAttentionEntry, DeformableAttentionEntry, DenseAttentionEntry,
+                    TowerKernelEntry]
 
 
 def _vision_entry(row: str, a: dict) -> AttentionEntry:
@@ -99,12 +111,30 @@ _deformable_entry = _backend_dtypes_entry(ComponentKind.DEFORMABLE_ATTENTION, De
 _dense_entry = _backend_dtypes_entry(ComponentKind.DENSE_ATTENTION, DenseAttentionEntry)
 
 
+def _tower_entry(kind: ComponentKind, strided_key: bool):
+    """The parser of a DeepSeek-OCR-2 kind: backend, dtypes (and reads_strides for attention)."""
+    keys = {"backend", "dtypes"} | ({"reads_strides"} if strided_key else set())
+
+    def parse(row: str, a: dict) -> TowerKernelEntry:
+        unknown = set(a) - keys
+        if unknown:
+            raise ValueError(f"row {row}: {kind} entry {a.get('backend')!r} has unknown keys {sorted(unknown)} "
+                             f"(known: {', '.join(sorted(keys))})")
+        strided = a.get("reads_strides")
+        return TowerKernelEntry(a["backend"], tuple(a["dtypes"]), None if strided is None else bool(strided))
+    return parse
+
+
 #: how a row's entry of each kind is read (a new kind adds its parser here)
 ENTRY_PARSERS: dict[ComponentKind, Callable[[str, dict], KernelEntry]] = {
     ComponentKind.VISION_VARLEN_ATTENTION: _vision_entry,
     ComponentKind.PAGED_DECODER_ATTENTION: _paged_entry,
     ComponentKind.DEFORMABLE_ATTENTION: _deformable_entry,
     ComponentKind.DENSE_ATTENTION: _dense_entry,
+    ComponentKind.RELPOS_WINDOW_ATTENTION: _tower_entry(ComponentKind.RELPOS_WINDOW_ATTENTION, True),
+    ComponentKind.RELPOS_GLOBAL_ATTENTION: _tower_entry(ComponentKind.RELPOS_GLOBAL_ATTENTION, True),
+    ComponentKind.PREFIX_CAUSAL_ATTENTION: _tower_entry(ComponentKind.PREFIX_CAUSAL_ATTENTION, True),
+    ComponentKind.MOE_EXPERTS: _tower_entry(ComponentKind.MOE_EXPERTS, False),
 }
 
 #: the keys rows used before ``kernels:``, and the kind each one lists

@@ -4,8 +4,10 @@ the expected outputs computed live by transformers' own model (features, teacher
 greedy ids of ``generate``). Nothing is shipped; transformers 5.24 (its ``deepseek_ocr2``) must
 be importable wherever the suite runs on this family.
 
-Facts: none of the optional ones. One layout (torch: DeepSeek's names); the metadata's device
-path reads the grids back (no bitwise host/device claim); the vision tower has no strided-qkv
+Facts: SYNC_INJECTION only (sync_targets: device tensors made from the host metadata's view
+sizes on the builder's device, which the injected syncs read back). One layout (torch:
+DeepSeek's names); the metadata's device path reads the grids back (no bitwise host/device
+claim, no metadata tables of PaddleOCR-VL's kind); the vision tower has no varlen strided-qkv
 kernel; the grid is (views, rows, cols), not a patch grid, so the variable-grid tests (padding
 segments, budgets of patches) do not apply.
 """
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ...conformance.family_fixture import ConformanceFixture, EncodeCase, GenerateCase, TextCase
+from ...conformance.family_fixture import (ConformanceFixture, EncodeCase, FamilyFact, GenerateCase, SyncTargets,
+                                           TextCase)
 from . import tiny
 
 # (width, height) -> crops: 600x500 none, 1600x900 2x1, 800x2400 1x3, 500x700 none
@@ -42,7 +45,18 @@ def write_images(path: Path, seed: int = 1, sizes=IMAGE_SIZES) -> list[Path]:
 
 
 class DeepseekOCR2Conformance(ConformanceFixture):
-    facts = frozenset()
+    facts = frozenset({FamilyFact.SYNC_INJECTION})
+
+    def sync_targets(self, builder, meta) -> SyncTargets:
+        """The metadata's host ints as device tensors on the builder's device, made by fill and
+        scan kernels (no upload: on CUDA a pageable upload would sync by itself): the packed
+        patch index, the views' patch offsets, the output rows as floats."""
+        dev = builder.device
+        sizes = torch.cat([torch.full((1,), n, dtype=torch.int32, device=dev) for n in meta.view_sizes])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), sizes.cumsum(0, dtype=torch.int32)])
+        index = torch.arange(meta.num_tokens, device=dev)
+        rows = torch.cat([torch.full((1,), float(n), device=dev) for n in meta.out_split_sizes])
+        return SyncTargets(index, offsets, rows)
 
     @cached_property
     def model_dir(self) -> Path:

@@ -4,9 +4,11 @@ An image is a global 1024 view plus 0-6 local 768 crops (processor.py), its grid
 ``(1 + crops, rows, cols)``; it yields crops x 144 + 256 + 1 embedding rows (crops, global,
 view separator). The decoder is a 12-layer MoE with plain MHA and 1D rope (P = 1).
 
-What runs on ATen for now: the vision tower (SAM's windowed attention with its relative-position
-bias and the encoder's prefix mask are SDPA with a bias / a mask: no varlen kernel takes them)
-and the MoE (text.py); the plan chooses a kernel for the decoder's paged attention only.
+The plan chooses a kernel per component (components()): SAM's windowed and global attention with
+the decomposed relative-position bias, the Qwen2 encoder's prefix-causal attention, the decoder's
+paged attention and the MoE's routed experts. Every row lists ATen backends for the tower and the
+MoE for now (SDPA with a bias / a mask, text.py's eager experts); SAM's q/k/v are views of its
+fused projection where the chosen kernel reads strides (the plan's qkv_layout).
 """
 from __future__ import annotations
 
@@ -31,9 +33,18 @@ class DeepseekOCR2Family(ModelFamily):
         return DeepseekOCR2Config.from_model_dir(model_dir)
 
     def components(self, cfg: DeepseekOCR2Config) -> tuple[Component, ...]:
-        t = cfg.text
-        return (Component("text.attention", ComponentKind.PAGED_DECODER_ATTENTION, t.head_dim,
-                          t.num_attention_heads, t.num_key_value_heads),)
+        t, s, e = cfg.text, cfg.sam, cfg.encoder
+        experts = (f"{t.n_routed_experts} experts of width {t.moe_intermediate_size}, top-{t.num_experts_per_tok}, "
+                   f"{t.n_shared_experts} shared")
+        return (Component("vision.sam.window_attention", ComponentKind.RELPOS_WINDOW_ATTENTION, s.head_dim,
+                          s.num_attention_heads),
+                Component("vision.sam.global_attention", ComponentKind.RELPOS_GLOBAL_ATTENTION, s.head_dim,
+                          s.num_attention_heads),
+                Component("vision.encoder.attention", ComponentKind.PREFIX_CAUSAL_ATTENTION, e.head_dim,
+                          e.num_attention_heads, e.num_key_value_heads),
+                Component("text.attention", ComponentKind.PAGED_DECODER_ATTENTION, t.head_dim,
+                          t.num_attention_heads, t.num_key_value_heads),
+                Component("text.moe.experts", ComponentKind.MOE_EXPERTS, 0, 0, detail=experts))
 
     # ------------------------------------------------------------------ loading
     def load_vision(self, model_dir, *, dtype, device, model_format, cfg):

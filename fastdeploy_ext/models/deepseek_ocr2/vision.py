@@ -37,8 +37,9 @@ from .processor import num_crops
 # ------------------------------------------------------------------ execution and metadata
 @dataclass(frozen=True)
 class VisionExecution:
-    """What the tower takes from the plan. Its attention is ATen's (SDPA with an additive bias or
-    a boolean mask): no varlen backend takes a relative-position bias or a prefix mask yet."""
+    """What the tower takes from the plan: SAM's qkv layout (``strided_qkv``: views of the fused
+    projection, else copied contiguous). Its attention is the ATen backends the plan chose for
+    the rel-pos and prefix-causal kinds (SDPA with an additive bias / a boolean mask)."""
     attention: Any = None
     strided_qkv: bool = False
     fused_layers: bool = False
@@ -99,9 +100,11 @@ class SamAttention(nn.Module):
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, strided: bool = True) -> torch.Tensor:
         b, h, w, d = x.shape
         q, k, v = self.qkv(x).view(b, h * w, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        if not strided:              # the plan's dense qkv layout: the kernel gets contiguous q/k/v
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # decomposed relative positions: bias[i, j] = q_i . Rh[row_i - row_j] + q_i . Rw[col_i - col_j]
         qg = q.reshape(b, self.nh, h, w, self.hd)
         rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(self.rel_pos_h, h))
@@ -130,7 +133,7 @@ class SamBlock(nn.Module):
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.mlp = SamMLP(c)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, strided: bool = True) -> torch.Tensor:
         b, h, w, d = x.shape
         y = self.norm1(x)
         if self.window:
@@ -140,10 +143,10 @@ class SamBlock(nn.Module):
             y = F.pad(y, (0, 0, 0, pw, 0, ph))
             hp, wp = h + ph, w + pw
             y = y.view(b, hp // s, s, wp // s, s, d).transpose(2, 3).reshape(-1, s, s, d)
-            y = self.attn(y)
+            y = self.attn(y, strided)
             y = y.view(b, hp // s, wp // s, s, s, d).transpose(2, 3).reshape(b, hp, wp, d)[:, :h, :w]
         else:
-            y = self.attn(y)
+            y = self.attn(y, strided)
         x = x + y
         return x + self.mlp(self.norm2(x))
 
@@ -186,12 +189,13 @@ class Sam(nn.Module):
                           align_corners=False, antialias=True)
         return p.to(self.pos_embed.dtype).permute(0, 2, 3, 1)
 
-    def forward(self, patches: torch.Tensor, views: int) -> torch.Tensor:
-        """[views * side^2, C*P*P] -> [views, (side/4)^2, encoder width]."""
+    def forward(self, patches: torch.Tensor, views: int, strided: bool = True) -> torch.Tensor:
+        """[views * side^2, C*P*P] -> [views, (side/4)^2, encoder width]; ``strided``: q/k/v
+        reach the attention as views of the fused projection (else copied contiguous)."""
         side = int(round((patches.shape[0] // views) ** 0.5))
         x = self.patch_embed(patches).view(views, side, side, -1) + self.positions(side)
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, strided)
         x = self.net_3(self.net_2(self.neck(x.permute(0, 3, 1, 2))))
         return x.flatten(2).transpose(1, 2)
 
@@ -308,18 +312,19 @@ class DeepseekOCR2Vision(nn.Module):
         self.projector = nn.Linear(d, cfg.text.hidden_size)
         self.view_separator = nn.Parameter(torch.zeros(cfg.text.hidden_size))
 
-    def encode_views(self, patches: torch.Tensor, views: int, is_global: bool) -> torch.Tensor:
+    def encode_views(self, patches: torch.Tensor, views: int, is_global: bool, strided: bool = True) -> torch.Tensor:
         """One group of same-size views -> [views, queries, text width]."""
         q = self.query_1024.weight if is_global else self.query_768.weight
-        return self.projector(self.encoder(self.sam(patches, views), q))
+        return self.projector(self.encoder(self.sam(patches, views, strided), q))
 
     def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution | None = None):
         x = pixel_values.reshape(pixel_values.shape[0], -1).to(self.projector.weight.dtype)
         parts = x.split(meta.view_sizes)
         glob = [p for p, g in zip(parts, meta.view_is_global) if g]
         crops = [p for p, g in zip(parts, meta.view_is_global) if not g]
-        g_rows = self.encode_views(torch.cat(glob), len(glob), True)
-        c_rows = self.encode_views(torch.cat(crops), len(crops), False) if crops else None
+        strided = True if ex is None else ex.strided_qkv
+        g_rows = self.encode_views(torch.cat(glob), len(glob), True, strided)
+        c_rows = self.encode_views(torch.cat(crops), len(crops), False, strided) if crops else None
         sep = self.view_separator.to(g_rows.dtype)[None]
         out, c0 = [], 0
         for i, n in enumerate(meta.crops):
