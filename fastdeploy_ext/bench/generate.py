@@ -511,12 +511,11 @@ class TransformersReference:
 
 
 def reference_class(engine: LLMEngine):
-    """transformers' model of the engine's family: PaddleOCR-VL's above, DeepSeek-OCR-2's in its
-    family package (one request per generate call there)."""
-    if getattr(engine.runner, "family", None) is not None and engine.runner.family.name == "deepseek_ocr2":
-        from ..models.deepseek_ocr2.bench import TransformersReference as DeepseekReference
-        return DeepseekReference
-    return TransformersReference
+    """transformers' model of the engine's family: the family's own (``generate_reference()``),
+    else PaddleOCR-VL's above."""
+    family = getattr(engine.runner, "family", None)
+    own = family.generate_reference() if family is not None else None
+    return own or TransformersReference
 
 
 # ------------------------------------------------------------------ the run

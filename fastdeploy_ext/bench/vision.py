@@ -14,13 +14,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from ..device_api import DeviceAPI
 from ..plan import PlanError, PlanRequest
 from ..runner import ModelSource, choose_device
 from . import BenchError
-from .timing import median_ms
+from .timing import Timer, cosine, peak_gib, reset_peak
 
 log = logging.getLogger(__name__)
 
@@ -97,41 +96,15 @@ def options_from_args(ns: argparse.Namespace) -> VisionBenchOptions:
                               ns.iters, ns.warmup, not ns.no_reference, ns.json_out, ns.profile)
 
 
-class Timer:
-    """Median time of fn by the device API's timer (CUDA events on a GPU, perf_counter on the host)."""
-
-    def __init__(self, api: DeviceAPI, warmup: int, iters: int):
-        self.api, self.warmup, self.iters = api, warmup, iters
-
-    def __call__(self, fn) -> float:
-        return median_ms(fn, self.warmup, self.iters, self.api)
-
-
-def _reset_peak(api: DeviceAPI) -> None:
-    if api.allocator_stats:
-        api.synchronize()
-        api.empty_cache()
-        api.reset_peak_allocated()
-
-
-def _peak_gib(api: DeviceAPI) -> float | None:
-    """Peak allocated GiB since _reset_peak, where the allocator reports it."""
-    return api.peak_allocated_bytes() / 2**30 if api.allocator_stats else None
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
-
-
 def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOptions) -> int:
     """Every variant of VARIANTS (or those opts.variants names) on opts.workloads; ``base``: the
-    user's plan flags, which override the variants' where they are not "auto". A DeepSeek-OCR-2
-    model has its own workloads and reference (models/deepseek_ocr2/bench.py)."""
+    user's plan flags, which override the variants' where they are not "auto". A family with
+    its own workloads and reference runs its ``vision_bench()`` instead."""
     from ..models.registry import detect_family
     family = detect_family(source.model_dir if source.load_format != "dummy" else None, source.model_family).family
-    if family.name == "deepseek_ocr2":
-        from ..models.deepseek_ocr2.bench import run_vision_bench as run_family_bench
-        return run_family_bench(source, base, opts)
+    own = family.vision_bench()
+    if own is not None:
+        return own(source, base, opts)
     workloads = list(opts.workloads)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
@@ -179,11 +152,11 @@ def run_vision_bench(source: ModelSource, base: PlanRequest, opts: VisionBenchOp
             grids = WORKLOADS[w]
             encode = partial(runner.encode_uploaded, runner.upload_pixels(inputs_cpu[w]), grids)
             encode()
-            _reset_peak(api)
+            reset_peak(api)
             ms = timer(encode)
-            peak = _peak_gib(api)
+            peak = peak_gib(api)
             out = torch.cat(encode())
-            cos = _cosine(out, reference_out[w]) if w in reference_out else None
+            cos = cosine(out, reference_out[w]) if w in reference_out else None
             row = {"workload": w, "variant": v.name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
                    "speedup_vs_ref": (ref_ms[w] / ms) if w in ref_ms else None,
                    "attention": runner.plan.attention.value, "device": runner.plan.device, "row": runner.plan.row,
@@ -242,9 +215,9 @@ def _reference(runner, workloads, inputs_cpu, timer, reference_out, ref_ms) -> l
     for w in workloads:
         call = partial(ref, inputs_cpu[w].to(runner.device, runner.dtype),
                        torch.tensor(WORKLOADS[w], dtype=torch.int64, device=runner.device))
-        _reset_peak(runner.device_api)
+        reset_peak(runner.device_api)
         ms = timer(call)
-        peak = _peak_gib(runner.device_api)
+        peak = peak_gib(runner.device_api)
         reference_out[w] = call().float()
         ref_ms[w] = ms
         rows.append({"workload": w, "variant": "transformers", "ms": ms, "peak_gib": peak, "speedup_vs_ref": 1.0})

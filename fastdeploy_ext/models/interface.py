@@ -230,6 +230,17 @@ class ModelFamily(Family):
         """The chat template used when a model directory ships none."""
         raise NotImplementedError(f"model family {self.name}: no default chat template")
 
+    def vision_bench(self) -> Any:
+        """``bench vision`` for a family with its own workloads and reference: a callable
+        ``(source, plan_request, options) -> exit status``; None (the default): the shared
+        bench's workloads, variants and reference (PaddleOCR-VL's)."""
+        return None
+
+    def generate_reference(self) -> Any:
+        """``bench generate``'s transformers side for this family: a class built like
+        bench.generate.TransformersReference; None (the default): that one."""
+        return None
+
 
 
 #: the role's own name for the VLM interface

@@ -63,10 +63,10 @@ def reference_pixels(images, device, dtype) -> dict:
 def run_vision_bench(source, base, opts) -> int:
     """bench vision for this family (fastdeploy_ext/bench/vision.py hands over here)."""
     from ...bench import BenchError
-    from ...bench.vision import VisionBenchOptions, Timer, _cosine, _peak_gib, _reset_peak
+    from ...bench.timing import Timer, cosine, peak_gib, reset_peak
     from ...plan import PlanError
     from ...runner import ImageBatch, choose_device
-    workloads = DEFAULT_VISION_WORKLOADS if opts.workloads == VisionBenchOptions.workloads else opts.workloads
+    workloads = DEFAULT_VISION_WORKLOADS if opts.workloads == type(opts).workloads else opts.workloads
     unknown = [w for w in workloads if w not in VISION_WORKLOADS]
     if unknown:
         raise BenchError(f"unknown deepseek_ocr2 workloads {unknown}; known: {', '.join(VISION_WORKLOADS)}")
@@ -102,9 +102,9 @@ def run_vision_bench(source, base, opts) -> int:
                 def call(px=px):
                     with torch.inference_mode():
                         return ref.model.get_image_features(**px).pooler_output
-                _reset_peak(api)
+                reset_peak(api)
                 ref_ms[w] = timer(call)
-                peak = _peak_gib(api)
+                peak = peak_gib(api)
                 ref_out[w] = torch.cat(list(call())).float() if source.load_format != "dummy" else None
                 results.append({"workload": w, "variant": "transformers", "ms": ref_ms[w], "peak_gib": peak,
                                 "speedup_vs_ref": 1.0})
@@ -116,11 +116,11 @@ def run_vision_bench(source, base, opts) -> int:
             batch = ImageBatch.from_images([proc.preprocess(im, f"{w}{i}") for i, im in enumerate(images[w])])
             encode = partial(runner.encode_images, batch)
             encode()
-            _reset_peak(api)
+            reset_peak(api)
             ms = timer(encode)
-            peak = _peak_gib(api)
+            peak = peak_gib(api)
             out = torch.cat(encode()).float()
-            cos = _cosine(out, ref_out[w]) if ref_out.get(w) is not None else None
+            cos = cosine(out, ref_out[w]) if ref_out.get(w) is not None else None
             row = {"workload": w, "variant": name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
                    "speedup_vs_ref": ref_ms[w] / ms if w in ref_ms else None, "rows": out.shape[0],
                    "device": plan.device, "row": plan.row, "emulated": plan.emulated}

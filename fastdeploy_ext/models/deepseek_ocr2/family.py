@@ -25,6 +25,15 @@ class DeepseekOCR2Family(ModelFamily):
     name: ClassVar[str] = "deepseek_ocr2"
     model_types: ClassVar[tuple[str, ...]] = (MODEL_TYPE, RELEASED_MODEL_TYPE)
 
+    # ------------------------------------------------------------------ benchmarks
+    def vision_bench(self):
+        from .bench import run_vision_bench     # its own workloads (views and crops) and reference
+        return run_vision_bench
+
+    def generate_reference(self):
+        from .bench import TransformersReference    # one request per transformers generate call
+        return TransformersReference
+
     # ------------------------------------------------------------------ config
     def default_config(self) -> DeepseekOCR2Config:
         return DeepseekOCR2Config()
