@@ -9,15 +9,14 @@ page sends VLM blocks and has one Markdown image. The PDFs are read from ../shar
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import types
-import zipfile
 from pathlib import Path
 
 import httpx
@@ -30,28 +29,44 @@ PDFS = Path(__file__).resolve().parents[1].parent / "shared" / "pdfs"
 if not PDFS.is_dir():
     PDFS = Path("/work/shared/pdfs")
 TOKEN = "job-api-test-key"
-WHEEL = "paddleocr==3.7.0"
 MIX = [{"label": "paragraph_title", "score": 0.9, "bbox": [0.1, 0.05, 0.9, 0.1]},
        {"label": "text", "score": 0.9, "bbox": [0.1, 0.15, 0.9, 0.4]},
        {"label": "table", "score": 0.9, "bbox": [0.1, 0.45, 0.9, 0.7]},
        {"label": "image", "score": 0.9, "bbox": [0.1, 0.75, 0.5, 0.95]}]
 
 
+CLIENT_COPY = Path(__file__).parent / "data" / "paddleocr_client"
+
+
 def _client_root() -> Path:
-    """A directory holding the wheel's ``paddleocr/`` tree: an installed paddleocr's (found
-    without importing it), else the wheel downloaded once (pip, no dependencies) and unpacked."""
-    spec = importlib.util.find_spec("paddleocr")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0]).parent
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastdeploy_ext" / "paddleocr-3.7.0"
-    if not (cache / "paddleocr" / "_api_client" / "client.py").is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "-d", str(cache / "wheel")],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, f"pip download {WHEEL} failed:\n{r.stdout}\n{r.stderr}"
-        with zipfile.ZipFile(next((cache / "wheel").glob("paddleocr-3.7.0-*.whl"))) as z:
-            z.extractall(cache)
-    return cache
+    """The directory holding ``paddleocr/_api_client/`` as the 3.7.0 wheel ships it (copies
+    under tests/data/paddleocr_client/, checked against the wheel's RECORD lines)."""
+    return CLIENT_COPY
+
+
+def client_copy_mismatches() -> list[str]:
+    """Files whose sha256 differs from the wheel's RECORD line (empty: unmodified copies)."""
+    bad = []
+    for line in (CLIENT_COPY / "RECORD").read_text().splitlines():
+        rel, digest, _size = line.rsplit(",", 2)
+        got = base64.urlsafe_b64encode(hashlib.sha256((CLIENT_COPY / rel).read_bytes()).digest()).rstrip(b"=").decode()
+        if f"sha256={got}" != digest:
+            bad.append(rel)
+    return bad
+
+
+def test_the_client_copies_are_the_wheels_files(tmp_path, monkeypatch):
+    """Every file of the client package is listed and unmodified; an edited copy is caught."""
+    listed = {line.rsplit(",", 2)[0] for line in (CLIENT_COPY / "RECORD").read_text().splitlines()}
+    on_disk = {str(p.relative_to(CLIENT_COPY)) for p in (CLIENT_COPY / "paddleocr").rglob("*.py")}
+    assert listed == on_disk and len(listed) == 16
+    assert client_copy_mismatches() == []
+    import shutil
+    fake = tmp_path / "copy"
+    shutil.copytree(CLIENT_COPY, fake)
+    (fake / "paddleocr" / "_api_client" / "client.py").write_text("# edited\n")
+    monkeypatch.setattr(sys.modules[__name__], "CLIENT_COPY", fake)
+    assert client_copy_mismatches() == ["paddleocr/_api_client/client.py"]
 
 
 @pytest.fixture(scope="module")
