@@ -16,8 +16,10 @@ a hook exists because a runner calls it.
 """
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
 import torch
@@ -37,6 +39,21 @@ class BatchError(ValueError):
 
 class CheckpointError(ValueError):
     """The model directory cannot be loaded; the message names the file or tensor."""
+
+
+def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
+    """A model directory's config.json as a dict, and its path: a missing file is a
+    FileNotFoundError, a file that is not a JSON object a CheckpointError, each naming the path."""
+    path = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no config.json in the model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data, path
 
 
 class DecoderModel(Protocol):

@@ -10,13 +10,11 @@ over both. Targets are loaded by name, so this module imports no family.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
 
-from .interface import Family
+from .interface import Family, read_config_json
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +78,8 @@ def detect_family(model_dir: str | None, override: str | None = None) -> FamilyC
         return FamilyChoice(get_family(override), f"--model-family {override}")
     if model_dir is None:
         return FamilyChoice(get_family(DEFAULT_FAMILY), f"no model directory: the default family {DEFAULT_FAMILY}")
-    path = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no config.json in the model directory") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    model_type = data.get("model_type") if isinstance(data, dict) else None
+    data, path = read_config_json(model_dir)
+    model_type = data.get("model_type")
     if model_type is None:
         return FamilyChoice(get_family(DEFAULT_FAMILY),
                             f"{path} has no model_type: the default family {DEFAULT_FAMILY}")

@@ -19,12 +19,11 @@ is read in either form:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..interface import CheckpointError
+from ..interface import CheckpointError, read_config_json
 
 MODEL_TYPE = "deepseek_ocr2"
 RELEASED_MODEL_TYPE = "deepseek_vl_v2"
@@ -185,15 +184,7 @@ class DeepseekOCR2Config:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "DeepseekOCR2Config":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json in the model directory")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: not a JSON object")
+        data, path = read_config_json(model_dir)
         return cls.from_dict(data, str(path))
 
     def to_transformers_json(self) -> dict:

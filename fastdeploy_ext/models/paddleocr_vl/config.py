@@ -6,7 +6,6 @@ runtime uses are kept; everything else in config.json is ignored on purpose.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -104,14 +103,8 @@ class PaddleOCRVLConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "PaddleOCRVLConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no config.json in the model directory")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data)
+        from ..interface import read_config_json
+        return cls.from_dict(read_config_json(model_dir)[0])
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,12 +6,10 @@ in models/pp_doclayout_v2/config.py, adds its reading-order network). The defaul
 released architecture's (HGNetV2-L, d_model 256, 300 queries, 6 decoder layers)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
-from ..interface import CheckpointError
+from ..interface import CheckpointError, read_config_json
 
 #: the released checkpoint's class names, by id (the config's default ``num_labels`` is 2, so the
 #: built-in config names these 25)
@@ -128,13 +126,10 @@ class DetectorConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str):
-        path = Path(model_dir) / "config.json"
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no config.json in the model directory") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+            data, path = read_config_json(model_dir)
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
         if data.get("model_type") not in (None, cls.model_type):
             raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} is not {cls.model_type}")
         # what this implementation does not build: refused by name rather than run wrongly
