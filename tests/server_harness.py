@@ -69,6 +69,14 @@ class ServerProc:
     def output(self) -> str:
         return self.log.getvalue().decode(errors="replace")
 
+    def wait_output(self, text: str, deadline_s: float = 30) -> str:
+        """The output once it holds ``text``: the server's lines reach it through a pipe and a
+        reader thread, so a line logged just before a response may still be on its way."""
+        end = time.monotonic() + deadline_s
+        while text not in self.output and time.monotonic() < end and self.exited() is None:
+            time.sleep(0.02)
+        return self.output
+
     def wait_healthy(self, deadline_s: float = 180) -> "ServerProc":
         why = wait_until_healthy(self.url, deadline_s, self.exited)
         if why is not None:

@@ -199,7 +199,7 @@ def test_image_url_refusals(srv, host, media_dir, case):
     assert needle in error_of(post(srv, chat(url, max_tokens=2)), 400)
     detail = {"404": "HTTP 404", "timeout": "timed out after 1 s"}.get(case)
     if detail:                                           # the reason is in the server's log only
-        assert f"fetching {url} failed: {detail}" in srv.output
+        assert f"fetching {url} failed: {detail}" in srv.wait_output(f"fetching {url} failed: {detail}")
     if case == "timeout":
         assert host.held.acquire(timeout=10)           # consume this request's mark on the host
 
