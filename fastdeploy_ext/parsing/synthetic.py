@@ -2,8 +2,8 @@
 ``bench parse`` feed the pipeline when they need a known block mix (the layout model runs for
 its cost, but with random weights its boxes mean nothing; the planted ones are used instead).
 
-Per page (the issue's mix): 2 titles (~900x60 px), 9 paragraphs (~1000x180), 1 table
-(~1000x600), 2 display formulas (~500x80) and 2 captions (~800x60), in page pixels at 144 dpi.
+Per page (an OmniDocBench-like block mix, as ``bench parse`` plants it): 2 titles (~900x60 px),
+9 paragraphs (~1000x180), 1 table (~1000x600), 2 display formulas (~500x80) and 2 captions (~800x60), in page pixels at 144 dpi.
 On an A4 page (1190x1684 px at 144 dpi) that mix does not fit in one column at full height
 (its heights sum to 2,620 px), so heights are scaled by one factor to fit the page between its
 margins (0.55 on A4), widths kept; pass a taller ``PageSpec`` to get the nominal sizes exactly.
@@ -56,7 +56,7 @@ class PlantedMix:
         return sum(k[1] for k in self.kinds)
 
 
-#: the issue's output length per planted block kind (tokens the VLM writes for it), for benches
+#: the output length per planted block kind (tokens the VLM writes for it), for benches
 #: that plant decode lengths too; kinds not named here count as a paragraph
 PLANTED_TOKENS = {"doc_title": 16, "paragraph_title": 16, "text": 120, "table": 600, "display_formula": 60,
                   "figure_title": 40}

@@ -4,7 +4,8 @@ equals transformers' PIL one bitwise) and same prompt ids. Same weights with ``-
 dir transformers loads: what ``save_pretrained`` writes); with ``--load-format dummy`` transformers
 builds the released config with its own random init (speed compares, outputs do not).
 
-Vision workloads (images of random pixels; the shapes of the H200 figures in the issue):
+Vision workloads (images of random pixels, at the shapes of the transformers H200 figures in
+docs/DEEPSEEK_OCR2.md):
 ``nocrop`` one 600x500 page (a global view: 257 rows), ``page6`` one 1000x1600 page (6 crops +
 the global view: 1121 rows), ``nocrop16`` 16 no-crop pages, ``page6x16`` 16 six-crop pages.
 Ours is timed from the preprocessed batch (``encode_images``: upload, tower, projector), the
