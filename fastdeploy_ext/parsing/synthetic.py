@@ -3,7 +3,8 @@
 its cost, but with random weights its boxes mean nothing; the planted ones are used instead).
 
 Per page (an OmniDocBench-like block mix, as ``bench parse`` plants it): 2 titles (~900x60 px),
-9 paragraphs (~1000x180), 1 table (~1000x600), 2 display formulas (~500x80) and 2 captions (~800x60), in page pixels at 144 dpi.
+9 paragraphs (~1000x180), 1 table (~1000x600), 2 display formulas (~500x80) and 2 captions
+(~800x60), in page pixels at 144 dpi.
 On an A4 page (1190x1684 px at 144 dpi) that mix does not fit in one column at full height
 (its heights sum to 2,620 px), so heights are scaled by one factor to fit the page between its
 margins (0.55 on A4), widths kept; pass a taller ``PageSpec`` to get the nominal sizes exactly.
