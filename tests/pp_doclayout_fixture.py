@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import torch
 
-#: the tiny architecture: HGNetV2 with 4 one-block stages, d_model 32, 2 heads, 2 decoder
-#: layers, 20 queries, the 25 released classes
-BACKBONE = dict(model_type="hgnet_v2", arch="L", stem_channels=[3, 8, 8], stage_in_channels=[8, 16, 32, 64],
-                stage_mid_channels=[8, 8, 16, 16], stage_out_channels=[16, 32, 64, 128], stage_num_blocks=[1, 1, 2, 1],
-                stage_downsample=[False, True, True, True], stage_light_block=[False, False, True, True],
-                stage_kernel_size=[3, 3, 5, 5], stage_numb_of_layers=[2, 2, 2, 2], hidden_sizes=[16, 32, 64, 128],
-                out_features=["stage1", "stage2", "stage3", "stage4"])
-TINY = dict(encoder_in_channels=[32, 64, 128], encoder_hidden_dim=32, d_model=32, encoder_ffn_dim=64,
-            decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, decoder_layers=2,
-            num_queries=20, decoder_in_channels=[32, 32, 32], x4_feat_dim=16, mask_feature_channels=[16, 16],
-            num_prototypes=8, global_pointer_head_size=16)
+from fastdeploy_ext.models.pp_doclayout_v3 import tiny as suite_tiny
+
+#: the tiny architecture: the conformance suite's (HGNetV2 with 4 one-block stages, d_model 32,
+#: 2 heads, 2 decoder layers, the 25 released classes) with 20 queries instead of 300
+BACKBONE = suite_tiny.BACKBONE
+TINY = {**suite_tiny.TINY, "num_queries": 20}
 #: the weights' seed: chosen so that the encoder's k-th and k+1-th query scores of the test
 #: pixels differ by >= 1e-3 (the test asserts it), so that fp32 rounding cannot swap the top-k
 SEED = 3
