@@ -353,8 +353,10 @@ class TorchRunner(DeviceRunner):
 
     def encode_uploaded(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """encode_images for pixels already on the device ([N, C*P*P], compute dtype) and
-        validated grids: the hot path benchmarks time."""
-        with torch.inference_mode():
+        validated grids: the hot path benchmarks time. An fp32 plan's convolutions (a
+        patch embedding, a neck) run in fp32, not cuDNN's default TF32."""
+        from .ops.precision import fp32_convolutions
+        with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
             if self.graphs is not None:
                 out = self.graphs.run(pixels, grids)
                 sizes = self.family.output_sizes(self.cfg, grids)

@@ -217,10 +217,16 @@ def cli_without(modules: str, *args, tmp_path):
 
 
 def test_missing_serve_extra_is_one_line(tmp_path):
-    r = cli_without("fastapi,uvicorn", "serve", "--load-format", "dummy", tmp_path=tmp_path)
+    r = cli_without("fastapi,uvicorn,starlette", "serve", "--load-format", "dummy", tmp_path=tmp_path)
     assert r.returncode == 2 and re.fullmatch(
-        r"fastdeploy-ext serve: error: needs the \[serve\] extra \((fastapi|uvicorn) is not installed\): "
+        r"fastdeploy-ext serve: error: needs the \[serve\] extra \((fastapi|uvicorn|starlette) is not installed\): "
         r"pip install 'fastdeploy_ext\[serve\]'", r.stderr.strip()), r.stderr
+
+
+def test_commands_other_than_serve_need_no_serve_extra(tmp_path):
+    # the parser of every subcommand is built up front: serve's flags must not import the server
+    r = cli_without("fastapi,uvicorn,starlette", "bench", "parse", "--help", tmp_path=tmp_path)
+    assert r.returncode == 0 and "--pages" in r.stdout, r.stderr[-2000:]
 
 
 def test_missing_transformers_for_bench_vision_is_one_line(tmp_path):

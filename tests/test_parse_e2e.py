@@ -10,6 +10,7 @@ of real pages mean little, so the runs that must exercise the VLM plant a small 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -376,6 +377,27 @@ def test_bench_parse_runs_ours_and_the_paddlex_style_baseline_on_one_engine(pars
         assert {"render_s", "layout_s", "prefill_s", "decode_s", "assemble_s", "idle_s"} <= set(st)
         assert st["layout_s"] > 0 and st["prefill_s"] > 0 and st["decode_s"] > 0
     assert report["ratio"] == pytest.approx(report["ours"]["pages_per_s"] / report["baseline"]["pages_per_s"])
+
+
+def test_bench_parse_with_random_vlm_weights_decodes_each_blocks_planted_length(parser):
+    # random weights seldom emit EOS: each block's length is fixed by its kind instead (here capped
+    # by --max-new-tokens 8), on both sides, so the two runs decode the same work
+    from fastdeploy_ext.bench.parse import BenchParseOptions, run
+    from fastdeploy_ext.parsing.pipeline import Pipeline
+    from fastdeploy_ext.parsing.synthetic import PLANTED_TOKENS
+    opts = dataclasses.replace(parser.options, load_format="dummy")
+    report = run(opts, BenchParseOptions(pages=1, warmup_pages=0), models=parser._build())
+    assert "planted length" in report["source"]
+    for r in (report["ours"], report["baseline"]):
+        assert r["blocks"] > 0 and r["output_tokens"] == 8 * r["blocks"], r
+    task = type("T", (), {"block": type("B", (), {"label": "table"})()})()
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.opts = dataclasses.replace(opts.pipeline_options(), max_new_tokens=4096, planted_decode=True)
+    sp = pipe._params(task)
+    assert (sp.max_tokens, sp.min_tokens, sp.ignore_eos, sp.repetition_guard.enabled) == (
+        PLANTED_TOKENS["table"], PLANTED_TOKENS["table"], True, False)
+    pipe.opts = dataclasses.replace(pipe.opts, planted_decode=False)
+    assert (pipe._params(task).max_tokens, pipe._params(task).ignore_eos) == (4096, False)
 
 
 def test_bench_parse_command_with_the_stub_vlm_and_real_pdfs(layout_dir, capsys):

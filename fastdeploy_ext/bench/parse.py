@@ -157,7 +157,8 @@ def _report(name: str, outcomes: list, times, meter: _Meter) -> dict:
     blocks = sum(o.blocks for o in done)
     toks = sum(o.output_tokens for o in done)
     wall = meter.wall
-    return {"name": name, "pages": len(done), "failed": len(failed), "wall_s": round(wall, 3),
+    return {"name": name, "pages": len(done), "failed": len(failed), "blocks": blocks, "output_tokens": toks,
+            "wall_s": round(wall, 3),
             "pages_per_s": len(done) / wall, "blocks_per_s": blocks / wall, "output_tokens_per_s": toks / wall,
             "gpu_busy_pct": meter.gpu_busy, "peak_device_bytes": meter.peak_device,
             "peak_rss_bytes": _peak_rss(),
@@ -272,7 +273,7 @@ class GroupBarrierRun:
                 if left[0] == 0:
                     all_back.set()
         for pg, i, task, crop in planned:       # every block of the group at once, default priority
-            p.driver.submit(p._request(task, crop), p._params(), 0,
+            p.driver.submit(p._request(task, crop), p._params(task), 0,
                             lambda out, err, pg=pg, i=i, task=task: done(out, err, pg, i, task))
         all_back.wait()                          # the barrier: the longest block holds the group
 
@@ -321,7 +322,8 @@ def run(opts, bench: BenchParseOptions, models: tuple | None = None) -> dict:
             inputs, planted = real_inputs(root, bench.pdf, bench.seed)
             source = (f"real PDFs from {bench.pdf} (rendering and page sizes real; boxes from the planted mix: "
                       "the layout model runs for its cost, its random-weight boxes are not used)")
-        opts = replace(opts, planted_layouts=str(planted), output=None)
+        # random VLM weights: each block decodes its kind's planted length on both sides
+        opts = replace(opts, planted_layouts=str(planted), output=None, planted_decode=opts.load_format == "dummy")
         jobs, bad = local_jobs(opts, [str(p) for p in inputs])
         if bad:
             log.warning("bench parse: %d inputs cannot be opened: %s", len(bad), "; ".join(str(o.error) for o in bad))
@@ -347,6 +349,8 @@ def run(opts, bench: BenchParseOptions, models: tuple | None = None) -> dict:
         finally:
             if models is None:
                 renderer.close()
+    if opts.planted_decode:
+        source += "; each block decodes its kind's planted length (random VLM weights)"
     report = {"source": source, "pages": len(jobs), "stub_vlm": opts.stub_vlm, "ours": ours, "baseline": base,
               "ratio": (ours["pages_per_s"] / base["pages_per_s"]) if base and base["pages_per_s"] else None}
     return report

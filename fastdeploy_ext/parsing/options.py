@@ -41,6 +41,7 @@ class ParseOptions:
     layout_threshold: float = 0.3
     block_max_pixels: int | None = None
     planted_layouts: str | None = None       # a planted-layout JSON file (benchmarks, tests)
+    planted_decode: bool = False             # each block decodes its kind's planted length (random weights)
     stub_vlm: bool = False
     lease_ttl_s: float = 60.0                # --workers: a silent worker's pages go back after this
     lease_pages: int = 4                     # --workers: pages per lease
@@ -68,7 +69,7 @@ class ParseOptions:
         return PipelineOptions(max_pages_in_flight=self.max_pages_in_flight, layout_batch=self.layout_batch,
                                layout_threshold=self.layout_threshold, dpi=self.dpi,
                                max_new_tokens=self.max_new_tokens, block_max_pixels=self.block_max_pixels,
-                               stub_vlm=self.stub_vlm)
+                               stub_vlm=self.stub_vlm, planted_decode=self.planted_decode)
 
     def fingerprint(self) -> dict:
         """What the outputs depend on (a rerun with another fingerprint on the same workspace is

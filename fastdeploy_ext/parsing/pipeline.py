@@ -103,6 +103,10 @@ class PipelineOptions:
     max_new_tokens: int = 4096
     block_max_pixels: int | None = None    # caps each block's max_pixels (tiny test models)
     stub_vlm: bool = False                 # no engine: a block's text is a fixed stub (the CPU stages alone)
+    # random VLM weights rarely emit EOS: every block would decode max_new_tokens (or stop where
+    # the repetition guard sees a loop); benches fix each block's length by its kind instead
+    # (synthetic.PLANTED_TOKENS), as bench generate plants its output lengths
+    planted_decode: bool = False
 
     def validate(self) -> None:
         for name in ("max_pages_in_flight", "layout_batch", "dpi", "max_new_tokens"):
@@ -473,7 +477,7 @@ class Pipeline:
             def done(out, err, page=page, i=i, task=task):
                 self._block_done(page, i, task, out, err)
             try:
-                self.driver.submit(self._request(task, crop), self._params(), task.priority, done)
+                self.driver.submit(self._request(task, crop), self._params(task), task.priority, done)
             except Exception as e:  # noqa: BLE001 - this block fails (its page with it); the blocks sent run on
                 done(None, f"not submitted: {type(e).__name__}: {e}")
 
@@ -485,8 +489,13 @@ class Pipeline:
         return {"prompt": task.prompt, "multi_modal_data": {"image": Image.fromarray(crop)},
                 "mm_processor_kwargs": {"min_pixels": min(task.min_pixels, max_pixels), "max_pixels": max_pixels}}
 
-    def _params(self):
-        from ..engine.sampling_params import SamplingParams
+    def _params(self, task):
+        from ..engine.sampling_params import RepetitionGuard, SamplingParams
+        if self.opts.planted_decode:
+            from .synthetic import planted_tokens
+            n = min(planted_tokens(task.block.label), self.opts.max_new_tokens)
+            return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                                  repetition_guard=RepetitionGuard(enabled=False))
         # greedy, the repetition guard on (its default): a looping block ends early, marked "repetition"
         return SamplingParams(temperature=0.0, max_tokens=self.opts.max_new_tokens)
 

@@ -461,7 +461,8 @@ def build_state(ns: argparse.Namespace) -> ServerState:
 
 def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetcher):
     """The job API's service with --jobs-dir (its pipeline options from the parse flags), else None."""
-    from .serving_jobs import JobRoutes, JobsCollector, jobs_config_from_args, served_version
+    from .jobs import jobs_config_from_args
+    from .serving_jobs import JobRoutes, JobsCollector, served_version
     cfg = jobs_config_from_args(ns)
     if cfg is None:
         return None

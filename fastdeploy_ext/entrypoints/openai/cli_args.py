@@ -116,7 +116,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_runner_args(p)
     shared.add_engine_args(p)
     add_server_args(p)
-    from .serving_jobs import add_job_arguments
     add_job_arguments(p)
 
 
@@ -325,3 +324,19 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
                           ("true" if v is True else "false" if v is False else str(v)))
     log.info("--config %s: %s", path, " ".join(redact_argv(tokens)))
     return tokens + rest
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    from ..parse_cmd import add_parse_options
+    g = p.add_argument_group("document-parsing jobs (PaddleOCR's job API; off without --jobs-dir)")
+    g.add_argument("--jobs-dir", default=None, metavar="DIR",
+                   help="where accepted jobs, their progress and results live (a restart resumes them)")
+    g.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
+                   help="jobs queued or running at once; a submit beyond gets 429")
+    g.add_argument("--max-upload-bytes", type=int, default=200 << 20, metavar="N",
+                   help="largest document accepted (upload or fileUrl), in bytes")
+    g.add_argument("--job-ttl", type=float, default=86400.0, metavar="S",
+                   help="a finished job (its result files with it) is removed S seconds after it ends")
+    g.add_argument("--job-priority", type=int, default=100, metavar="N",
+                   help="added to every parsing block's engine priority: chat (priority 0) runs first; 0 = equal")
+    add_parse_options(p)

@@ -15,6 +15,7 @@ pipeline's pages in flight); the blocks go to the served engine at ``priority_of
 interactive chat (a larger priority value runs later)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -436,3 +437,16 @@ def _result_lines(ws_dir: Path, stem: str, st, opts) -> tuple[list[dict], list[s
 
 
 __all__ = ["JobRecord", "JobService", "JobState", "JobsConfig", "QueueFull", "ServedEngineDriver"]
+
+
+def jobs_config_from_args(ns: argparse.Namespace) -> JobsConfig | None:
+    from ..args import CliError
+    if ns.jobs_dir is None:
+        return None
+    for name in ("max_queued_jobs", "max_upload_bytes"):
+        if getattr(ns, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.job_ttl <= 0:
+        raise CliError(f"--job-ttl must be > 0, got {ns.job_ttl}")
+    return JobsConfig(jobs_dir=Path(ns.jobs_dir), max_queued_jobs=ns.max_queued_jobs,
+                      max_upload_bytes=ns.max_upload_bytes, ttl_s=ns.job_ttl, priority_offset=ns.job_priority)

@@ -15,7 +15,6 @@ the client maps to its exceptions). Job endpoints take ``Authorization: Bearer <
 checked against ``--api-key`` (any token when none is set)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
@@ -27,7 +26,7 @@ from typing import Any, Callable
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
 
-from .jobs import JobRecord, JobService, JobsConfig, JobState, QueueFull
+from .jobs import JobRecord, JobService, JobState, QueueFull
 
 log = logging.getLogger("fastdeploy_ext.jobs")
 
@@ -52,36 +51,6 @@ class JobAPIError(Exception):
 
 def ok(data: dict) -> JSONResponse:
     return JSONResponse({"code": 0, "msg": "Success", "data": data})
-
-
-# ------------------------------------------------------------------ flags
-def add_job_arguments(p: argparse.ArgumentParser) -> None:
-    from ..parse_cmd import add_parse_options
-    g = p.add_argument_group("document-parsing jobs (PaddleOCR's job API; off without --jobs-dir)")
-    g.add_argument("--jobs-dir", default=None, metavar="DIR",
-                   help="where accepted jobs, their progress and results live (a restart resumes them)")
-    g.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
-                   help="jobs queued or running at once; a submit beyond gets 429")
-    g.add_argument("--max-upload-bytes", type=int, default=200 << 20, metavar="N",
-                   help="largest document accepted (upload or fileUrl), in bytes")
-    g.add_argument("--job-ttl", type=float, default=86400.0, metavar="S",
-                   help="a finished job (its result files with it) is removed S seconds after it ends")
-    g.add_argument("--job-priority", type=int, default=100, metavar="N",
-                   help="added to every parsing block's engine priority: chat (priority 0) runs first; 0 = equal")
-    add_parse_options(p)
-
-
-def jobs_config_from_args(ns: argparse.Namespace) -> JobsConfig | None:
-    from ..args import CliError
-    if ns.jobs_dir is None:
-        return None
-    for name in ("max_queued_jobs", "max_upload_bytes"):
-        if getattr(ns, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
-    if ns.job_ttl <= 0:
-        raise CliError(f"--job-ttl must be > 0, got {ns.job_ttl}")
-    return JobsConfig(jobs_dir=Path(ns.jobs_dir), max_queued_jobs=ns.max_queued_jobs,
-                      max_upload_bytes=ns.max_upload_bytes, ttl_s=ns.job_ttl, priority_offset=ns.job_priority)
 
 
 # ------------------------------------------------------------------ optionalPayload
