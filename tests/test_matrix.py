@@ -144,8 +144,43 @@ def test_the_deadline_stops_the_run_and_still_reports(tmp_path, capsys):
     matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
                     + leg("slow", "test_hang.py", budget=100) + leg("after"))
     out = tmp_path / "j"
-    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out), "--deadline-s", "8",
+    # one lane, as on the GPU host (--gpu): with two the second leg would start beside the first
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out), "--deadline-s", "8", "--jobs", "1",
                             "--archive", str(tmp_path / "a.tgz")]) == 1
     text = capsys.readouterr().out
     assert "deadline-s was reached" in text and "not started" in text
     assert (tmp_path / "a.tgz").is_file() and (out / "after.xml").is_file()
+
+
+def test_lanes_run_legs_at_once_longest_first_and_keep_the_table_order():
+    import threading
+    import time as _time
+    lock, running, peak, started = threading.Lock(), [0], [0], []
+
+    def one(name):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            started.append(name)
+        _time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return name.upper()
+
+    budgets = {"a": 10, "b": 300, "c": 20, "d": 5}
+    assert run_matrix.run_in_lanes(list(budgets), one, 2, key=budgets.get) == ["A", "B", "C", "D"]
+    assert peak[0] == 2 and started[0] == "b"          # two lanes; the 300 s leg first
+    started.clear(), peak.__setitem__(0, 0)
+    assert run_matrix.run_in_lanes(list(budgets), one, 1, key=budgets.get) == ["A", "B", "C", "D"]
+    assert peak[0] == 1 and started == ["a", "b", "c", "d"]     # one lane: the matrix's order
+
+
+def test_two_lanes_report_every_leg(tmp_path, capsys):
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("good") + leg("bad", "test_fail.py") + leg("good2"))
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(tmp_path / "j"), "--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "2 legs at a time" in out
+    rows = {line.split()[0]: line.split()[3] for line in out.split("leg ", 1)[1].splitlines()[2:]
+            if line.strip() and not line[0].isdigit() and len(line.split()) > 3}
+    assert rows == {"good": "PASS", "bad": "FAIL", "good2": "PASS"}
