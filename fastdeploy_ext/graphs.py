@@ -20,9 +20,7 @@ whole page lost to eager when padded).
 """
 from __future__ import annotations
 
-import gc
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -126,27 +124,18 @@ class EncoderGraphs:
         self.stats = GraphStats()
 
     def capture(self) -> GraphReport:
-        t0 = time.perf_counter()
-        # graph memory = what the private pool keeps reserved: measured with the caching
-        # allocator's free blocks released on both sides (warm-up buffers, other runners' frees)
-        api = self.api
-        gc.collect()
-        api.synchronize()
-        api.empty_cache()
-        before = api.reserved_bytes()
-        pool = api.graph_pool()
-        stream = api.new_stream()
-        with torch.inference_mode():
-            # largest first, so smaller graphs reuse the shared pool's blocks
-            for path in self.paths:
-                for b in sorted(path.budgets, reverse=True):
-                    bg = _BudgetGraph(self.runner, b, path.max_segments)
-                    bg.capture(api, pool, stream)
-                    self.graphs[(path.name, b)] = bg
-        api.synchronize()
-        api.empty_cache()
-        mem = api.reserved_bytes() - before
-        dt = time.perf_counter() - t0
+        from .graph_capture import measured_capture
+
+        def capture_paths(pool, stream):
+            with torch.inference_mode():
+                # largest first, so smaller graphs reuse the shared pool's blocks
+                for path in self.paths:
+                    for b in sorted(path.budgets, reverse=True):
+                        bg = _BudgetGraph(self.runner, b, path.max_segments)
+                        bg.capture(self.api, pool, stream)
+                        self.graphs[(path.name, b)] = bg
+        cost = measured_capture(self.api, capture_paths)
+        mem, dt = cost.memory_bytes, cost.seconds
         report = GraphReport(captured=len(self.graphs), paths={p.name: list(p.budgets) for p in self.paths},
                              capture_seconds=dt, graph_memory_bytes=mem)
         log.info("encoder graphs: %d captured in %.1fs, %.1f MiB (%s)", report.captured, dt, mem / 2**20, report.paths)
