@@ -111,3 +111,25 @@ def test_dummy_is_the_builtin_09b_vision_config():
             c.vision.num_attention_heads, c.vision.head_dim) == (1152, 4304, 27, 16, 72)
     assert (c.text.hidden_size, c.text.num_hidden_layers, c.text.num_key_value_heads, c.text.vocab_size) == \
         (1024, 18, 2, 103424)
+
+
+def test_check_state_dict_names_the_checkpoints_tensor_in_each_failure():
+    import torch
+
+    from fastdeploy_ext.models.checkpoint_checks import check_state_dict, decode_byte_tokens
+    from fastdeploy_ext.models.interface import CheckpointError
+    expected = {"a.w": torch.empty(2, 3), "b.w": torch.empty(4)}
+    shown = lambda n: "model." + n  # noqa: E731
+    check_state_dict(expected, {"a.w": torch.zeros(2, 3), "b.w": torch.zeros(4)}, "ckpt", shown)
+    cases = [({"a.w": torch.zeros(2, 3)}, "ckpt: tensor model.b.w is missing from the checkpoint (1 missing)"),
+             ({**expected, "c": torch.zeros(1)}, "ckpt: unexpected tensor model.c"),
+             ({"a.w": torch.zeros(3, 2), "b.w": torch.zeros(4)},
+              "ckpt: tensor model.a.w has shape [3, 2], config.json implies [2, 3]")]
+    for tensors, message in cases:
+        with pytest.raises(CheckpointError) as e:
+            check_state_dict(expected, tensors, "ckpt", shown)
+        assert str(e.value) == message
+    # bytes decode as runs; a special is kept or dropped; an unknown id is U+FFFD
+    ids = [3 + b for b in "é".encode()] + [1, 999, 3 + ord("x")]
+    assert decode_byte_tokens(ids, 3, {1: "</s>"}) == "é\ufffdx"
+    assert decode_byte_tokens(ids, 3, {1: "</s>"}, skip_special_tokens=False) == "é</s>\ufffdx"

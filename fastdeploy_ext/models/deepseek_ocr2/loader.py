@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint_checks import check_state_dict
 from ..interface import CheckpointError
 from .config import DeepseekOCR2Config
 
@@ -184,16 +185,7 @@ def load(part: str, model_dir: str | Path | None, cfg: DeepseekOCR2Config, *, dt
     with torch.device("meta"):
         model = build(part, cfg)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{source}: tensor {original_name(missing[0], part)} is missing from the checkpoint "
-                              f"({len(missing)} missing)")
-    for name, t in tensors.items():
-        if name not in expected:
-            raise CheckpointError(f"{source}: unexpected tensor {original_name(name, part)}")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor {original_name(name, part)} has shape {list(t.shape)}, "
-                                  f"config.json implies {list(expected[name].shape)}")
+    check_state_dict(expected, tensors, source, lambda name: original_name(name, part))
     model.load_state_dict({k: v.to(keep_dtype(k, dtype)) for k, v in tensors.items()}, assign=True, strict=True)
     model = model.to(device).eval()
     log.info("deepseek_ocr2 %s: %d tensors from %s", part, len(tensors), source)

@@ -23,6 +23,7 @@ import torch
 from ...inputs.messages import MessageError, normalize_messages
 from .config import DeepseekOCR2Config
 from .processor import num_crops
+from ..checkpoint_checks import decode_byte_tokens
 
 log = logging.getLogger(__name__)
 
@@ -65,22 +66,7 @@ class ByteTokenizer:
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        parts, buf = [], bytearray()
-        for i in map(int, ids):
-            if BYTE_BASE <= i < BYTE_BASE + 256:
-                buf.append(i - BYTE_BASE)
-                continue
-            if buf:
-                parts.append(buf.decode("utf-8", errors="replace"))
-                buf.clear()
-            if i in self._by_id:
-                if not skip_special_tokens:
-                    parts.append(self._by_id[i])
-            else:
-                parts.append("\ufffd")
-        if buf:
-            parts.append(buf.decode("utf-8", errors="replace"))
-        return "".join(parts)
+        return decode_byte_tokens(ids, BYTE_BASE, self._by_id, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.special.get(token)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from .config import PaddleOCRVLConfig
+from ..checkpoint_checks import decode_byte_tokens
 
 log = logging.getLogger(__name__)
 
@@ -105,24 +106,7 @@ class ByteTokenizer:
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        parts: list[str] = []
-        buf = bytearray()
-        for i in ids:
-            i = int(i)
-            if self.byte_base <= i < self.byte_base + 256:
-                buf.append(i - self.byte_base)
-                continue
-            if buf:
-                parts.append(buf.decode("utf-8", errors="replace"))
-                buf.clear()
-            if i in self._by_id:
-                if not skip_special_tokens:
-                    parts.append(self._by_id[i])
-            else:
-                parts.append("\ufffd")
-        if buf:
-            parts.append(buf.decode("utf-8", errors="replace"))
-        return "".join(parts)
+        return decode_byte_tokens(ids, self.byte_base, self._by_id, skip_special_tokens)
 
 
 def builtin_special_tokens(cfg: PaddleOCRVLConfig) -> dict[str, int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fastdeploy_ext.models.checkpoint_checks import check_state_dict
 from fastdeploy_ext.models.interface import CheckpointError
 
 from .config import ToyConfig
@@ -97,16 +98,7 @@ def load(part: str, model_dir: str | Path | None, cfg: ToyConfig, *, dtype: torc
         model = build(part, cfg)
     tensors = read_tensors(model_dir, part)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{model_dir}: tensor {PREFIX[part]}{missing[0]} is missing from the checkpoint "
-                              f"({len(missing)} missing)")
-    for name, t in tensors.items():
-        if name not in expected:
-            raise CheckpointError(f"{model_dir}: unexpected tensor {PREFIX[part]}{name}")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{model_dir}: tensor {PREFIX[part]}{name} has shape {list(t.shape)}, "
-                                  f"config.json implies {list(expected[name].shape)}")
+    check_state_dict(expected, tensors, model_dir, lambda name: PREFIX[part] + name)
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
     if part == "vision":     # the merge order is computed, not loaded: rebuild it off the meta device
         from .vision import merge_order

@@ -16,6 +16,7 @@ import torch
 from fastdeploy_ext.inputs.messages import MessageError, normalize_messages
 
 from .config import ToyConfig
+from fastdeploy_ext.models.checkpoint_checks import decode_byte_tokens
 
 PAD, BOS, EOS, IMAGE = "<pad>", "<s>", "</s>", "<image>"
 BYTE_BASE = 4
@@ -49,22 +50,7 @@ class ByteTokenizer:
         return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        parts, buf = [], bytearray()
-        for i in map(int, ids):
-            if BYTE_BASE <= i < BYTE_BASE + 256:
-                buf.append(i - BYTE_BASE)
-                continue
-            if buf:
-                parts.append(buf.decode("utf-8", errors="replace"))
-                buf.clear()
-            if i in self._by_id:
-                if not skip_special_tokens:
-                    parts.append(self._by_id[i])
-            else:                       # a spare id of the vocab: well-formed text all the same
-                parts.append("\ufffd")
-        if buf:
-            parts.append(buf.decode("utf-8", errors="replace"))
-        return "".join(parts)
+        return decode_byte_tokens(ids, BYTE_BASE, self._by_id, skip_special_tokens)
 
 
 def load_tokenizer(cfg: ToyConfig) -> ByteTokenizer:
