@@ -105,7 +105,9 @@ if [[ " $steps " == *" deepseek_kernels "* ]]; then
   timeout ${DSK_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_attention_kernels.py \
     > "$OUT/deepseek_kernels_tests.txt" 2>&1 || rc=1
   tail -3 "$OUT/deepseek_kernels_tests.txt"
-  timeout ${DSK_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.deepseek_attention ${DSK_BENCH_ARGS:-} \
+  # the extra columns: other block configs of ours (block_m x block_n x warps x stages), for tuning default_config
+  timeout ${DSK_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.deepseek_attention \
+    ${DSK_BENCH_ARGS:---configs=32,64,4,3;64,32,4,3;64,64,4,2;128,64,8,3;128,32,8,2} \
     > "$OUT/deepseek_attention.txt" 2>&1 || rc=1
   tail -12 "$OUT/deepseek_attention.txt"
 fi

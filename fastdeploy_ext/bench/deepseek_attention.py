@@ -17,8 +17,11 @@ sdpa_mask (k/v repeated to the query heads, the boolean mask built once per forw
 model does). ``ours``: triton_relpos / triton_prefix_causal. Per workload: median ms per call,
 aten/ours (above 1: ours is faster), the peak memory each call adds, and the max abs difference.
 
+``--configs "BM,BN,W,S;..."`` adds a column per block config of ours (block_m, block_n, warps,
+stages) next to the default (ops/triton/biased_attention.py default_config), for tuning.
+
 Usage:  python3 -m fastdeploy_ext.bench.deepseek_attention [--workloads a,b] [--iters N]
-        [--warmup N] [--dtype bfloat16|float16|float32]
+        [--warmup N] [--dtype bfloat16|float16|float32] [--configs "64,64,4,3;128,64,8,3"]
 Writes $OUT/deepseek_attention.json when OUT is set.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from ..device_api import device_api_for
 from ..ops.attention.biased import SDPA_BIAS, SDPA_MASK, TRITON_PREFIX_CAUSAL, TRITON_RELPOS
+from ..ops.triton.biased_attention import BlockConfig, prefix_causal_attention, relpos_attention
 from .timing import call_times_ms
 
 
@@ -58,7 +62,7 @@ WORKLOADS = {w.name: w for w in (
 )}
 
 
-def _relpos_inputs(w: Workload, dtype, device):
+def _relpos_inputs(w: Workload, dtype, device, configs):
     from ..models.deepseek_ocr2.vision import rel_pos_table
     g = torch.Generator(device=device).manual_seed(0)
     n, b, h, d = w.side * w.side, w.batch, SAM_HEADS, HEAD_DIM
@@ -68,10 +72,11 @@ def _relpos_inputs(w: Workload, dtype, device):
     table = rel_pos_table(0.1 * torch.randn(2 * w.side - 1, d, generator=g, device=device, dtype=dtype), w.side)
     rel_h = torch.einsum("bnhwc,hkc->bnhwk", qg, table).reshape(b, h, n, w.side)
     rel_w = torch.einsum("bnhwc,wkc->bnhwk", qg, table).reshape(b, h, n, w.side)
-    return (lambda: SDPA_BIAS(q, k, v, rel_h, rel_w)), (lambda: TRITON_RELPOS(q, k, v, rel_h, rel_w))
+    tuned = [lambda c=c: relpos_attention(q, k, v, rel_h, rel_w, HEAD_DIM ** -0.5, c) for c in configs]
+    return (lambda: SDPA_BIAS(q, k, v, rel_h, rel_w)), (lambda: TRITON_RELPOS(q, k, v, rel_h, rel_w)), tuned
 
 
-def _prefix_inputs(w: Workload, dtype, device):
+def _prefix_inputs(w: Workload, dtype, device, configs):
     g = torch.Generator(device=device).manual_seed(0)
     n, b = 2 * w.side, w.batch
 
@@ -80,7 +85,8 @@ def _prefix_inputs(w: Workload, dtype, device):
     q, k, v = proj(ENC_HEADS), proj(ENC_KV_HEADS), proj(ENC_KV_HEADS)
     mask = SDPA_MASK.prepare(w.side, n, device)
     state = TRITON_PREFIX_CAUSAL.prepare(w.side, n, device)
-    return (lambda: SDPA_MASK(q, k, v, mask)), (lambda: TRITON_PREFIX_CAUSAL(q, k, v, state))
+    tuned = [lambda c=c: prefix_causal_attention(q, k, v, w.side, HEAD_DIM ** -0.5, c) for c in configs]
+    return (lambda: SDPA_MASK(q, k, v, mask)), (lambda: TRITON_PREFIX_CAUSAL(q, k, v, state)), tuned
 
 
 def _peak_mib(fn) -> float:
@@ -95,7 +101,8 @@ def _peak_mib(fn) -> float:
     return peak / 2 ** 20
 
 
-def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int) -> list[dict]:
+def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int,
+        configs: tuple[BlockConfig, ...] = ()) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("deepseek_attention bench: needs a CUDA device")
     ok, why = TRITON_RELPOS.available(torch.device("cuda"))
@@ -105,20 +112,23 @@ def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int) -> li
     print(f"{torch.cuda.get_device_name()}  dtype={str(dtype).removeprefix('torch.')}  warmup={warmup} "
           f"iters={iters}  (aten/ours > 1: ours faster)")
     print(f"{'workload':<12} {'shape':<36} {'aten ms':>9} {'ours ms':>9} {'aten/ours':>9} "
-          f"{'aten MiB':>9} {'ours MiB':>9} {'max|diff|':>10}")
+          f"{'aten MiB':>9} {'ours MiB':>9} {'max|diff|':>10}"
+          + "".join(f" {'x'.join(map(str, c)):>12}" for c in configs))
     for name in workloads:
         w = WORKLOADS[name]
         make = _relpos_inputs if w.kind == "relpos" else _prefix_inputs
-        aten, ours = make(w, dtype, device)
+        aten, ours, tuned = make(w, dtype, device, configs)
         diff = (aten().float() - ours().float()).abs().max().item()
         mem_a, mem_o = _peak_mib(aten), _peak_mib(ours)
         t_a = statistics.median(call_times_ms(aten, warmup, iters, api))
         t_o = statistics.median(call_times_ms(ours, warmup, iters, api))
-        row = dict(asdict(w), aten_ms=t_a, ours_ms=t_o, ratio=t_a / t_o, aten_mib=mem_a, ours_mib=mem_o, max_diff=diff)
+        t_c = [statistics.median(call_times_ms(fn, warmup, iters, api)) for fn in tuned]
+        row = dict(asdict(w), aten_ms=t_a, ours_ms=t_o, ratio=t_a / t_o, aten_mib=mem_a, ours_mib=mem_o, max_diff=diff,
+                   configs={"x".join(map(str, c)): t for c, t in zip(configs, t_c)})
         rows.append(row)
         print(f"{name:<12} {w.what:<36} {t_a:9.3f} {t_o:9.3f} {t_a / t_o:9.2f} {mem_a:9.0f} {mem_o:9.0f} "
-              f"{diff:10.2e}", flush=True)
-        del aten, ours
+              f"{diff:10.2e}" + "".join(f" {t:12.3f}" for t in t_c), flush=True)
+        del aten, ours, tuned
         torch.cuda.empty_cache()
     return rows
 
@@ -130,14 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--configs", default="", help='extra block configs of ours, "BM,BN,W,S;..."')
     a = p.parse_args(argv)
+    try:
+        configs = tuple(BlockConfig(*(int(x) for x in c.split(","))) for c in a.configs.split(";") if c.strip())
+    except (TypeError, ValueError) as e:
+        p.error(f"--configs: {e} (want \"BM,BN,W,S;...\", e.g. \"64,64,4,3\")")
     names = [n for n in a.workloads.split(",") if n]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if a.warmup < 0 or a.iters < 1:
         p.error("--warmup must be >= 0 and --iters >= 1")
-    rows = run(names, getattr(torch, a.dtype), a.warmup, a.iters)
+    rows = run(names, getattr(torch, a.dtype), a.warmup, a.iters, configs)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "deepseek_attention.json"), "w") as f:

@@ -86,8 +86,13 @@ if triton is not None:
         PREFIX_CAUSAL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        # one flat grid (a 2-D grid's second dimension stops at 65535: 400 crops' windows x 12
+        # heads is past it); a (batch, head)'s query blocks are neighbours (its k/v stay in L2),
+        # last block first: under the prefix-causal mask the last blocks see the most keys
+        m_blocks = tl.cdiv(n_tokens, BLOCK_M)
+        pid = tl.program_id(0)
+        bh = pid // m_blocks
+        pid_m = m_blocks - 1 - pid % m_blocks
         b = (bh // HEADS).to(tl.int64)
         h = bh % HEADS
         kvh = h // GROUP
@@ -105,7 +110,10 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         q_rows = tl.minimum(offs_m, n_tokens - 1)        # clamp: rows past the end are not stored
         offs_d = tl.arange(0, BLOCK_D)
-        cols = tl.minimum(offs_d, HEAD_DIM - 1)          # padded columns read a valid one
+        if BLOCK_D > HEAD_DIM:
+            cols = tl.minimum(offs_d, HEAD_DIM - 1)      # padded columns read a valid one
+        else:
+            cols = offs_d                                # contiguous: the loads vectorize
         q = tl.load(q_base + q_rows[:, None] * s_qn + cols[None, :])
         if BLOCK_D > HEAD_DIM:
             q = tl.where((offs_d < HEAD_DIM)[None, :], q, 0.0)
@@ -206,7 +214,7 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
     vec = 16 // q.element_size()
     align = vec if _aligned((q, k, v, out), vec) else 1
     bm, bn, warps, stages = config or default_config(n, q.dtype)
-    grid = (triton.cdiv(n, bm), b * heads)
+    grid = (triton.cdiv(n, bm) * b * heads,)
     _KERNELS["fwd"][grid](
         q, k, v, out, rel_h, rel_w,
         *(s // align for s in q.stride()[:3]), *(s // align for s in k.stride()[:3]),
