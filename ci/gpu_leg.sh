@@ -27,7 +27,9 @@
 #                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
 #   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek]...
+#   deepseek_kernels (not in "all")  DeepSeek-OCR-2's Triton attention kernels: tests/test_deepseek_attention_kernels.py
+#                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -96,6 +98,18 @@ if [[ " $steps " == *" deepseek "* ]]; then
       > "$OUT/deepseek_conformance_$b.txt" 2>&1 || rc=1
     tail -3 "$OUT/deepseek_conformance_$b.txt"
   done
+fi
+if [[ " $steps " == *" deepseek_kernels "* ]]; then
+  # DeepSeek-OCR-2's Triton attention kernels: their CUDA tests (bf16/fp16/fp32 vs the ATen
+  # backends at the real shapes, the tiny tower, `info` choosing them), then ours vs ATen side by side
+  timeout ${DSK_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_attention_kernels.py \
+    > "$OUT/deepseek_kernels_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/deepseek_kernels_tests.txt"
+  # the extra columns: other block configs of ours (block_m x block_n x warps x stages), for tuning default_config
+  timeout ${DSK_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.deepseek_attention \
+    ${DSK_BENCH_ARGS:---configs=32,64,4,3;64,32,4,3;64,64,4,2;128,64,8,3;128,32,8,2} \
+    > "$OUT/deepseek_attention.txt" 2>&1 || rc=1
+  tail -12 "$OUT/deepseek_attention.txt"
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

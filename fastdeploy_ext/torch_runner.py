@@ -236,7 +236,11 @@ class TorchRunner(DeviceRunner):
             return
         name = self.plan.attention.value        # None: the model has no vision varlen attention
         attention = None if name is None else self.kernels.get(ComponentKind.VISION_VARLEN_ATTENTION, name)
-        self.execution = self.family.vision_execution(attention, self.plan.strided_qkv, bool(self.plan.fused_layers.value))
+        # every component's chosen backend object, for families with kinds of their own (DeepSeek-OCR-2's tower)
+        chosen = {c.kind: self.kernels.get(c.kind, d.value) for c, d in self.plan.component_kernels()
+                  if d.value is not None and d.value in self.kernels.backends(c.kind)}
+        self.execution = self.family.vision_execution(attention, self.plan.strided_qkv,
+                                                      bool(self.plan.fused_layers.value), kernels=chosen)
 
     def _init_metadata(self) -> None:
         """The metadata builder of the loaded model on this runner's device."""

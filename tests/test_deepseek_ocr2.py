@@ -235,8 +235,9 @@ def test_breaking_the_tower_breaks_parity(features, ours, monkeypatch, fault):
             return x + self.mlp(self.norm2(x))
         monkeypatch.setattr(vision_mod.SamBlock, "forward", padded_zero_qkv)
     else:
-        monkeypatch.setattr(vision_mod, "prefix_mask", lambda nv, n, device: torch.ones(n, n, dtype=torch.bool,
-                                                                                        device=device).tril())
+        from fastdeploy_ext.ops.attention import biased
+        monkeypatch.setattr(biased, "prefix_mask", lambda nv, n, device: torch.ones(n, n, dtype=torch.bool,
+                                                                                    device=device).tril())
     with torch.inference_mode():
         got = vis(pixels, meta, fam.vision_execution(None, False, False))
     assert (got - torch.cat(want)).abs().max().item() > 1e-3

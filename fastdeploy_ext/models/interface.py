@@ -20,11 +20,11 @@ import json
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence
 
 import torch
 
-from ..plan import Component
+from ..plan import Component, ComponentKind
 
 if TYPE_CHECKING:
     from ..conformance.family_fixture import ConformanceFixture
@@ -170,8 +170,11 @@ class ModelFamily(Family):
 
     # ------------------------------------------------------------------ execution
     @abstractmethod
-    def vision_execution(self, attention: "VarlenAttention", strided_qkv: bool, fused_layers: bool) -> Any:
-        """How the vision modules run under the plan (attention backend, qkv layout, fused passes)."""
+    def vision_execution(self, attention: "VarlenAttention", strided_qkv: bool, fused_layers: bool, *,
+                         kernels: Mapping[ComponentKind, Any] | None = None) -> Any:
+        """How the vision modules run under the plan (attention backend, qkv layout, fused passes).
+        ``kernels``: the backend object the plan chose per kernel kind of the model's components
+        (the runner's registry's), for families whose vision tower has kinds of its own."""
 
     @abstractmethod
     def metadata_builder(self, cfg: Any, vision_model: torch.nn.Module, *, dtype: torch.dtype,

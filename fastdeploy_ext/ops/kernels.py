@@ -23,16 +23,16 @@ def _kind_types() -> dict[ComponentKind, type]:
     from .attention.deformable import DeformableAttentionBackend
     from .attention.dense import DenseAttentionBackend
     from .attention.paged import PagedAttentionBackend
-    from .attention.biased import MaskedAttentionBackend
+    from .attention.biased import PrefixCausalAttention, RelPosAttention
     from .attention.varlen import VarlenAttention
     from .moe import MoEExpertsBackend
     return {ComponentKind.VISION_VARLEN_ATTENTION: VarlenAttention,
             ComponentKind.PAGED_DECODER_ATTENTION: PagedAttentionBackend,
             ComponentKind.DEFORMABLE_ATTENTION: DeformableAttentionBackend,
             ComponentKind.DENSE_ATTENTION: DenseAttentionBackend,
-            ComponentKind.RELPOS_WINDOW_ATTENTION: MaskedAttentionBackend,
-            ComponentKind.RELPOS_GLOBAL_ATTENTION: MaskedAttentionBackend,
-            ComponentKind.PREFIX_CAUSAL_ATTENTION: MaskedAttentionBackend,
+            ComponentKind.RELPOS_WINDOW_ATTENTION: RelPosAttention,
+            ComponentKind.RELPOS_GLOBAL_ATTENTION: RelPosAttention,
+            ComponentKind.PREFIX_CAUSAL_ATTENTION: PrefixCausalAttention,
             ComponentKind.MOE_EXPERTS: MoEExpertsBackend}
 
 

@@ -1,8 +1,11 @@
 """The resolvers of DeepSeek-OCR-2's kernel kinds — SAM's attention with a decomposed
 relative-position bias (windowed and global layers), the Qwen2 encoder's prefix-causal attention,
 the MoE's routed expert GEMMs — and the vision tower's qkv layout. Each kind picks the row's
-first backend that takes the compute dtype and runs on this device (ATen's on every row today;
-fast ones are to come)."""
+first backend that takes the compute dtype and runs on this device: the CUDA rows prefer our
+Triton kernels for the attention kinds in half precision (the rel-pos bias added per tile, the
+prefix mask as index arithmetic), every other row and dtype ATen's SDPA with a materialized bias
+/ mask; a row whose Triton kernel cannot run (no triton, no CUDA) falls back to ATen with the
+reason noted."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -14,13 +17,19 @@ from .table import CapabilityRow
 TOWER_KINDS = (ComponentKind.RELPOS_WINDOW_ATTENTION, ComponentKind.RELPOS_GLOBAL_ATTENTION,
                ComponentKind.PREFIX_CAUSAL_ATTENTION, ComponentKind.MOE_EXPERTS)
 
-#: per kind, the built-in backends as (present, reads_strides, reason): ATen's run everywhere;
-#: the runner passes what its kernel registry's backends say on its device instead
+_TRITON_UNPROBED = "Triton kernels need a CUDA device (the runner probes its own)"
+_RELPOS = {"triton_relpos": (False, True, _TRITON_UNPROBED),
+           "sdpa_bias": (True, True, "ATen SDPA with an additive bias: every device")}
+
+#: per kind, the built-in backends as (present, reads_strides, reason) without a device: ATen's
+#: run everywhere, the Triton kernels (ops/attention/biased.py) only where a runner finds CUDA
+#: and triton; the runner passes what its kernel registry's backends say on its device instead
 #: (KernelRegistry.tower_availability)
 BUILTIN_TOWER: dict[ComponentKind, dict[str, tuple[bool, bool, str]]] = {
-    ComponentKind.RELPOS_WINDOW_ATTENTION: {"sdpa_bias": (True, True, "ATen SDPA with an additive bias: every device")},
-    ComponentKind.RELPOS_GLOBAL_ATTENTION: {"sdpa_bias": (True, True, "ATen SDPA with an additive bias: every device")},
-    ComponentKind.PREFIX_CAUSAL_ATTENTION: {"sdpa_mask": (True, True, "ATen SDPA with a boolean mask: every device")},
+    ComponentKind.RELPOS_WINDOW_ATTENTION: dict(_RELPOS),
+    ComponentKind.RELPOS_GLOBAL_ATTENTION: dict(_RELPOS),
+    ComponentKind.PREFIX_CAUSAL_ATTENTION: {"triton_prefix_causal": (False, True, _TRITON_UNPROBED),
+                                            "sdpa_mask": (True, True, "ATen SDPA with a boolean mask: every device")},
     ComponentKind.MOE_EXPERTS: {"aten_moe": (True, False, "ATen matmuls: every device")},
 }
 

@@ -82,9 +82,15 @@ class DeepseekOCR2Family(ModelFamily):
         return build_prompt(tokenizer, chat_template, cfg, messages=messages, prompt=prompt, image_grids=image_grids)
 
     # ------------------------------------------------------------------ execution
-    def vision_execution(self, attention, strided_qkv, fused_layers):
+    def vision_execution(self, attention, strided_qkv, fused_layers, *, kernels=None):
+        """The tower's attention runs through the backends the plan chose for its kinds (ATen's
+        SDPA where none is given: a tower outside a runner)."""
         from .vision import VisionExecution
-        return VisionExecution(attention, strided_qkv, fused_layers)
+        chosen = {f: kernels[k] for f, k in (("window_attention", ComponentKind.RELPOS_WINDOW_ATTENTION),
+                                             ("global_attention", ComponentKind.RELPOS_GLOBAL_ATTENTION),
+                                             ("prefix_attention", ComponentKind.PREFIX_CAUSAL_ATTENTION))
+                  if kernels and k in kernels}
+        return VisionExecution(attention, strided_qkv, fused_layers, **chosen)
 
     def metadata_builder(self, cfg, vision_model, *, dtype, device, attention):
         from .vision import VisionMetadataBuilder

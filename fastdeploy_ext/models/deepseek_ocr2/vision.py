@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...ops.attention.biased import SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
 from .processor import num_crops
 
@@ -38,11 +39,20 @@ from .processor import num_crops
 @dataclass(frozen=True)
 class VisionExecution:
     """What the tower takes from the plan: SAM's qkv layout (``strided_qkv``: views of the fused
-    projection, else copied contiguous). Its attention is the ATen backends the plan chose for
-    the rel-pos and prefix-causal kinds (SDPA with an additive bias / a boolean mask)."""
+    projection, else copied contiguous) and the backend objects the plan chose for its attention
+    kinds (ops/attention/biased.py): SAM's windowed and global layers (``window_attention``,
+    ``global_attention``: the rel-pos kinds) and the Qwen2 encoder's (``prefix_attention``).
+    ATen's SDPA by default (a tower run outside a runner)."""
     attention: Any = None
     strided_qkv: bool = False
     fused_layers: bool = False
+    window_attention: RelPosAttention = SDPA_BIAS
+    global_attention: RelPosAttention = SDPA_BIAS
+    prefix_attention: PrefixCausalAttention = SDPA_MASK
+
+
+#: the execution of a tower called without one: strided qkv, ATen attention
+DEFAULT_EXECUTION = VisionExecution(strided_qkv=True)
 
 
 @dataclass
@@ -97,20 +107,23 @@ class SamAttention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.proj = nn.Linear(c.hidden_size, c.hidden_size)
         side = window or c.grid
+        self.windowed = bool(window)
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
 
-    def forward(self, x: torch.Tensor, strided: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
         b, h, w, d = x.shape
         q, k, v = self.qkv(x).view(b, h * w, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
-        if not strided:              # the plan's dense qkv layout: the kernel gets contiguous q/k/v
+        if not ex.strided_qkv:       # the plan's dense qkv layout: the kernel gets contiguous q/k/v
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        # decomposed relative positions: bias[i, j] = q_i . Rh[row_i - row_j] + q_i . Rw[col_i - col_j]
+        # decomposed relative positions: bias[i, j] = q_i . Rh[row_i - row_j] + q_i . Rw[col_i - col_j];
+        # the per-query projections are small ([.., N, h] and [.., N, w]): the backend applies them
+        # (materialized for ATen's SDPA, per tile in our kernel)
         qg = q.reshape(b, self.nh, h, w, self.hd)
-        rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(self.rel_pos_h, h))
-        rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(self.rel_pos_w, w))
-        bias = (rh[..., :, None] + rw[..., None, :]).reshape(b, self.nh, h * w, h * w)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(self.rel_pos_h, h)).reshape(b, self.nh, h * w, h)
+        rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(self.rel_pos_w, w)).reshape(b, self.nh, h * w, w)
+        attend = ex.window_attention if self.windowed else ex.global_attention
+        o = attend(q, k, v, rh, rw)
         return self.proj(o.transpose(1, 2).reshape(b, h, w, d))
 
 
@@ -133,7 +146,7 @@ class SamBlock(nn.Module):
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.mlp = SamMLP(c)
 
-    def forward(self, x: torch.Tensor, strided: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
         b, h, w, d = x.shape
         y = self.norm1(x)
         if self.window:
@@ -143,10 +156,10 @@ class SamBlock(nn.Module):
             y = F.pad(y, (0, 0, 0, pw, 0, ph))
             hp, wp = h + ph, w + pw
             y = y.view(b, hp // s, s, wp // s, s, d).transpose(2, 3).reshape(-1, s, s, d)
-            y = self.attn(y, strided)
+            y = self.attn(y, ex)
             y = y.view(b, hp // s, wp // s, s, s, d).transpose(2, 3).reshape(b, hp, wp, d)[:, :h, :w]
         else:
-            y = self.attn(y, strided)
+            y = self.attn(y, ex)
         x = x + y
         return x + self.mlp(self.norm2(x))
 
@@ -189,13 +202,14 @@ class Sam(nn.Module):
                           align_corners=False, antialias=True)
         return p.to(self.pos_embed.dtype).permute(0, 2, 3, 1)
 
-    def forward(self, patches: torch.Tensor, views: int, strided: bool = True) -> torch.Tensor:
-        """[views * side^2, C*P*P] -> [views, (side/4)^2, encoder width]; ``strided``: q/k/v
-        reach the attention as views of the fused projection (else copied contiguous)."""
+    def forward(self, patches: torch.Tensor, views: int, ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
+        """[views * side^2, C*P*P] -> [views, (side/4)^2, encoder width]; ``ex``: the plan's
+        attention backends and qkv layout (strided: q/k/v reach the attention as views of the
+        fused projection, else copied contiguous)."""
         side = int(round((patches.shape[0] // views) ** 0.5))
         x = self.patch_embed(patches).view(views, side, side, -1) + self.positions(side)
         for blk in self.blocks:
-            x = blk(x, strided)
+            x = blk(x, ex)
         x = self.net_3(self.net_2(self.neck(x.permute(0, 3, 1, 2))))
         return x.flatten(2).transpose(1, 2)
 
@@ -223,15 +237,6 @@ def rope_tables(n: int, head_dim: int, theta: float, device, dtype):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
-
-
-def prefix_mask(n_visual: int, n_total: int, device) -> torch.Tensor:
-    """bool [n, n], True where query i may attend key j: the visual prefix attends within itself
-    in both directions, every later token (a query) causally, which covers the whole prefix."""
-    i = torch.arange(n_total, device=device)
-    causal = i[None, :] <= i[:, None]
-    both_visual = (i[:, None] < n_visual) & (i[None, :] < n_visual)
-    return causal | both_visual
 
 
 class SwiGLU(nn.Module):
@@ -265,15 +270,15 @@ class EncoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, attend: PrefixCausalAttention, state):
+        """``attend``: the plan's prefix-causal backend, ``state`` what its prepare() made for
+        this sequence (grouped k/v heads go in unrepeated: the backend expands them if it must)."""
         b, n, _ = x.shape
         y, a = self.input_layernorm(x), self.self_attn
         q = rotate(a.q_proj(y).view(b, n, self.nh, self.hd).transpose(1, 2), cos, sin)
         k = rotate(a.k_proj(y).view(b, n, self.nkv, self.hd).transpose(1, 2), cos, sin)
         v = a.v_proj(y).view(b, n, self.nkv, self.hd).transpose(1, 2)
-        rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = attend(q, k, v, state)
         x = x + a.o_proj(o.transpose(1, 2).reshape(b, n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -285,15 +290,18 @@ class QueryEncoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, visual: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        """[B, V, d] visual tokens + [Q, d] queries -> [B, Q, d] query outputs."""
+    def forward(self, visual: torch.Tensor, queries: torch.Tensor,
+                ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
+        """[B, V, d] visual tokens + [Q, d] queries -> [B, Q, d] query outputs; the visual
+        tokens are the bidirectional prefix of ``ex.prefix_attention``."""
         b, nv, _ = visual.shape
         x = torch.cat([visual, queries.to(visual.dtype).expand(b, -1, -1)], 1)
         n = x.shape[1]
         cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, x.dtype)
-        mask = prefix_mask(nv, n, x.device)
+        attend = ex.prefix_attention
+        state = attend.prepare(nv, n, x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, attend, state)
         return self.norm(x)[:, nv:]
 
 
@@ -312,19 +320,21 @@ class DeepseekOCR2Vision(nn.Module):
         self.projector = nn.Linear(d, cfg.text.hidden_size)
         self.view_separator = nn.Parameter(torch.zeros(cfg.text.hidden_size))
 
-    def encode_views(self, patches: torch.Tensor, views: int, is_global: bool, strided: bool = True) -> torch.Tensor:
-        """One group of same-size views -> [views, queries, text width]."""
+    def encode_views(self, patches: torch.Tensor, views: int, is_global: bool,
+                     ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
+        """One group of same-size views -> [views, queries, text width], with the plan's
+        attention backends and qkv layout (``ex``)."""
         q = self.query_1024.weight if is_global else self.query_768.weight
-        return self.projector(self.encoder(self.sam(patches, views, strided), q))
+        return self.projector(self.encoder(self.sam(patches, views, ex), q, ex))
 
     def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution | None = None):
         x = pixel_values.reshape(pixel_values.shape[0], -1).to(self.projector.weight.dtype)
         parts = x.split(meta.view_sizes)
         glob = [p for p, g in zip(parts, meta.view_is_global) if g]
         crops = [p for p, g in zip(parts, meta.view_is_global) if not g]
-        strided = True if ex is None else ex.strided_qkv
-        g_rows = self.encode_views(torch.cat(glob), len(glob), True, strided)
-        c_rows = self.encode_views(torch.cat(crops), len(crops), False, strided) if crops else None
+        ex = ex or DEFAULT_EXECUTION
+        g_rows = self.encode_views(torch.cat(glob), len(glob), True, ex)
+        c_rows = self.encode_views(torch.cat(crops), len(crops), False, ex) if crops else None
         sep = self.view_separator.to(g_rows.dtype)[None]
         out, c0 = [], 0
         for i, n in enumerate(meta.crops):

@@ -58,7 +58,7 @@ class PaddleOCRVLFamily(ModelFamily):
         return build_prompt(tokenizer, chat_template, cfg, messages=messages, prompt=prompt, image_grids=image_grids)
 
     # ------------------------------------------------------------------ execution
-    def vision_execution(self, attention, strided_qkv, fused_layers):
+    def vision_execution(self, attention, strided_qkv, fused_layers, *, kernels=None):
         from .vision import VisionExecution
         return VisionExecution(attention, strided_qkv, fused_layers)
 

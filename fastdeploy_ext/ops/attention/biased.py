@@ -1,44 +1,147 @@
-"""Attention over equal-length sequences with an additive bias or a boolean mask: DeepSeek-OCR-2's
-SAM layers (a decomposed relative-position bias, over 14x14 windows or the whole grid) and its
+"""Attention over equal-length sequences with a structured bias or mask: DeepSeek-OCR-2's SAM
+layers (the decomposed relative-position bias, over 14x14 windows or the whole grid) and its
 Qwen2 encoder (a bidirectional visual prefix, causal learned queries). One backend object per
 kernel, as varlen.py and dense.py; a vendor contributes its own under the kind
-(DeviceRunner.kernel_backends). ATen's SDPA is the one built-in: it takes a bias and a mask on
-every device; fast kernels that fold the decomposed bias in are to come."""
+(DeviceRunner.kernel_backends). Each owns its kernel facts: where it runs (``available``) and
+whether it reads strided q/k/v (``reads_strides``: SAM's are views of its fused projection).
+
+- rel-pos kinds (``relpos_window_attention``, ``relpos_global_attention``): a
+  :class:`RelPosAttention` takes q, k, v ``[B, H, N, D]`` over a grid_h x grid_w grid and the
+  per-query projections ``rel_h = q . Rh[qh - kh]`` ``[B, H, N, grid_h]`` and ``rel_w``
+  ``[B, H, N, grid_w]`` (the model computes them, as the reference does with einsum); the logits
+  are ``q.k / sqrt(D) + rel_h[q, kh] + rel_w[q, kw]``. ``sdpa_bias`` materializes that
+  ``[N, N]`` bias and calls ATen's SDPA (every device); ``triton_relpos`` adds the two terms per
+  tile inside a flash-attention kernel (ops/triton/biased_attention.py; CUDA).
+- prefix-causal kind: a :class:`PrefixCausalAttention` takes q ``[B, Hq, N, D]`` and k, v
+  ``[B, Hkv, N, D]`` (grouped-query heads) and the state its ``prepare(n_prefix, n, device)``
+  made once per forward: ``sdpa_mask`` a boolean ``[N, N]`` mask (k/v repeated per query head),
+  ``triton_prefix_causal`` just the prefix length (the mask is index arithmetic in the kernel).
+
+Both take the softmax scale 1/sqrt(D) (SDPA's default; SAM's and Qwen2's).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-def sdpa_with_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, H, N, Dh] each, ``mask`` additive float or bool (True: attend) broadcastable to
-    [B, H, N, N] -> [B, H, N, Dh]: ATen's scaled_dot_product_attention, its own kernel choice."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def prefix_mask(n_prefix: int, n_total: int, device) -> torch.Tensor:
+    """bool [n, n], True where query i may attend key j: the prefix attends within itself in
+    both directions, every later token (a query) causally, which covers the whole prefix."""
+    i = torch.arange(n_total, device=device)
+    causal = i[None, :] <= i[:, None]
+    both_prefix = (i[:, None] < n_prefix) & (i[None, :] < n_prefix)
+    return causal | both_prefix
 
 
-@dataclass(frozen=True)
-class MaskedAttentionBackend:
+class RelPosAttention:
+    """One kernel for attention with SAM's decomposed relative-position bias."""
     name: str
-    #: (q, k, v [B, H, N, Dh], mask) -> [B, H, N, Dh]
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    available: Callable[[torch.device], tuple[bool, str]]
-    #: takes q/k/v as strided views (of a fused qkv projection) without the caller copying them
-    reads_strides: bool
+    reads_strides: bool = True
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_h: torch.Tensor,
+                 rel_w: torch.Tensor) -> torch.Tensor:
+        """q, k, v [B, H, N, D]; rel_h [B, H, N, grid_h]; rel_w [B, H, N, grid_w] -> [B, H, N, D]."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
 
 
-def _aten(device: torch.device) -> tuple[bool, str]:
-    return True, "ATen scaled_dot_product_attention with attn_mask: every device"
+class SdpaRelPos(RelPosAttention):
+    """ATen SDPA with the bias materialized ([B, H, N, N] in q's dtype: the reference's math).
+    SDPA takes q/k/v of any strides (its fused kernels read them with the last dim contiguous,
+    its math path copies where it must): views of a fused qkv need no copy by us."""
+    name = "sdpa_bias"
+
+    def available(self, device):
+        return True, "ATen SDPA with an additive bias: every device"
+
+    def __call__(self, q, k, v, rel_h, rel_w):
+        b, h, n, _ = q.shape
+        bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, h, n, n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
-# ATen's SDPA takes q/k/v of any strides (its fused kernels read them with the last dim
-# contiguous; its math path copies where it must): views of a fused qkv need no copy by us
-SDPA_BIAS = MaskedAttentionBackend("sdpa_bias", sdpa_with_mask, _aten, reads_strides=True)
-SDPA_MASK = MaskedAttentionBackend("sdpa_mask", sdpa_with_mask, _aten, reads_strides=True)
+class TritonRelPos(RelPosAttention):
+    """Our flash-attention kernel adding rel_h[q, key row] + rel_w[q, key col] per tile: no
+    [N, N] bias is materialized (4096^2 x 12 heads per 1024 view in SAM's global layers)."""
+    name = "triton_relpos"
+
+    def available(self, device):
+        from ..triton.runtime import available_on
+        return available_on(device)
+
+    def __call__(self, q, k, v, rel_h, rel_w):
+        from ..triton.biased_attention import relpos_attention
+        return relpos_attention(q, k, v, rel_h.contiguous(), rel_w.contiguous(), q.shape[-1] ** -0.5)
+
+
+class PrefixCausalAttention:
+    """One kernel for attention over a bidirectional prefix and causal tokens after it."""
+    name: str
+    reads_strides: bool = True
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def prepare(self, n_prefix: int, n_total: int, device: torch.device) -> Any:
+        """What every layer's call takes (host ints in; built once per forward, no sync)."""
+        raise NotImplementedError
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
+        """q [B, Hq, N, D]; k, v [B, Hkv, N, D] (Hq a multiple of Hkv) -> [B, Hq, N, D]."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class SdpaPrefixMask(PrefixCausalAttention):
+    """ATen SDPA with a boolean [N, N] mask, k/v repeated to the query heads."""
+    name = "sdpa_mask"
+
+    def available(self, device):
+        return True, "ATen SDPA with a boolean mask: every device"
+
+    def prepare(self, n_prefix, n_total, device):
+        return prefix_mask(n_prefix, n_total, device)
+
+    def __call__(self, q, k, v, state):
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=state)
+
+
+class TritonPrefixCausal(PrefixCausalAttention):
+    """Our flash-attention kernel with the prefix length as an argument: no mask tensor, the
+    grouped k/v heads read in place (no repeat), query blocks stop at their last visible key."""
+    name = "triton_prefix_causal"
+
+    def available(self, device):
+        from ..triton.runtime import available_on
+        return available_on(device)
+
+    def prepare(self, n_prefix, n_total, device):
+        return int(n_prefix)
+
+    def __call__(self, q, k, v, state):
+        from ..triton.biased_attention import prefix_causal_attention
+        return prefix_causal_attention(q, k, v, state, q.shape[-1] ** -0.5)
+
+
+SDPA_BIAS = SdpaRelPos()
+SDPA_MASK = SdpaPrefixMask()
+TRITON_RELPOS = TritonRelPos()
+TRITON_PREFIX_CAUSAL = TritonPrefixCausal()
 
 #: the built-in backends of the relative-position bias kinds (windowed and global) and of the
 #: prefix-causal kind
-BUILTIN_RELPOS_BACKENDS: tuple[MaskedAttentionBackend, ...] = (SDPA_BIAS,)
-BUILTIN_PREFIX_BACKENDS: tuple[MaskedAttentionBackend, ...] = (SDPA_MASK,)
+BUILTIN_RELPOS_BACKENDS: tuple[RelPosAttention, ...] = (TRITON_RELPOS, SDPA_BIAS)
+BUILTIN_PREFIX_BACKENDS: tuple[PrefixCausalAttention, ...] = (TRITON_PREFIX_CAUSAL, SDPA_MASK)

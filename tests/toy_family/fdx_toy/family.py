@@ -61,7 +61,7 @@ class ToyVLMFamily(ModelFamily):
         return build_prompt(tokenizer, chat_template, cfg, messages=messages, prompt=prompt, image_grids=image_grids)
 
     # ------------------------------------------------------------------ execution
-    def vision_execution(self, attention, strided_qkv, fused_layers):
+    def vision_execution(self, attention, strided_qkv, fused_layers, *, kernels=None):
         from .vision import ToyExecution
         return ToyExecution(attention, strided_qkv)
 

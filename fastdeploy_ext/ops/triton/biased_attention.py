@@ -1,0 +1,264 @@
+"""Flash attention over equal-length sequences with DeepSeek-OCR-2's two structured biases, in
+Triton: one kernel, two launchers.
+
+- :func:`relpos_attention`: SAM's decomposed relative-position bias. The logits of query q
+  (grid cell (qh, qw)) against key k (cell (kh, kw)) are ``scale * q.k + rel_h[q, kh] +
+  rel_w[q, kw]``, where ``rel_h = q . Rh[qh - kh]`` ([B, H, N, grid_h]) and ``rel_w = q .
+  Rw[qw - kw]`` ([B, H, N, grid_w]) are the small per-query projections the reference computes
+  with einsum. The kernel gathers the two terms per tile (a key's row and column are its index
+  // and % the grid width), so the [N, N] bias is never materialized; 14x14 windows and the
+  64x64 / 48x48 global grids are the same launch with another grid.
+- :func:`prefix_causal_attention`: the Qwen2 encoder's mask as index arithmetic: key j is
+  visible to query i when ``j <= max(i, n_prefix - 1)`` (the visual prefix bidirectional, the
+  learned queries after it causal and seeing the whole prefix); grouped-query heads read their
+  shared k/v head directly (no repeat), and a query block stops at the last key it can see.
+
+q/k/v are ``[B, H, N, D]`` of any strides with a contiguous last dim (SAM's are views of its
+fused qkv projection); the output is written ``[B, N, H, D]`` contiguous and returned as its
+``[B, H, N, D]`` view, so the caller's ``transpose(1, 2).reshape`` to [B, N, H*D] is free.
+Online softmax in fp32 (exp2, the scale folded into log2(e)); fp32 inputs use IEEE dots, half
+precision accumulates in fp32. As in varlen_attention.py, loads carry no masks: rows past the
+sequence are clamped onto its last row and head-dim columns past D onto valid columns, their
+contributions neutralised exactly (q's padded columns zeroed, out-of-range keys at -inf, padded
+rows/columns not stored). Importing this module needs no triton (ops/triton/runtime.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .runtime import TRITON_INTERPRETED, KernelTable, tl, triton, triton_available_cached
+
+__all__ = ["BlockConfig", "default_config", "prefix_causal_attention", "relpos_attention"]
+
+_LOG2E = 1.4426950408889634
+_MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class BlockConfig(tuple):
+    """(block_m, block_n, num_warps, num_stages) of one launch."""
+    __slots__ = ()
+
+    def __new__(cls, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        for name, v in (("block_m", block_m), ("block_n", block_n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two <= 16, got {num_warps}")
+        if num_stages < 2:
+            # num_stages=1 miscompiled on H200 with triton 3.6 in the varlen kernel: not offered
+            raise ValueError(f"num_stages must be >= 2, got {num_stages}")
+        return super().__new__(cls, (block_m, block_n, num_warps, num_stages))
+
+
+def default_config(n_tokens: int, dtype: torch.dtype) -> BlockConfig:
+    """Hopper defaults: 128-row query blocks (8 warps) for the long global grids, 64-row blocks
+    (4 warps) for windows (196 tokens) and the encoder (288 / 512): the same padding waste there,
+    twice the programs to spread over the SMs. fp32 halves the key block (registers)."""
+    if dtype == torch.float32:
+        return BlockConfig(64, 32, 4, 2)
+    if n_tokens >= 1024:
+        return BlockConfig(128, 64, 8, 3)
+    return BlockConfig(64, 64, 4, 3)
+
+
+if triton is not None:
+
+    def _biased_attn_fwd(
+        Q, K, V, O, RH, RW,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_on,
+        stride_rhb, stride_rhh, stride_rhn,
+        stride_rwb, stride_rwh, stride_rwn,
+        n_tokens, grid_w, n_prefix, qk_scale,
+        HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ALIGN: tl.constexpr,
+        RELPOS: tl.constexpr,
+        PREFIX_CAUSAL: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        # one flat grid (a 2-D grid's second dimension stops at 65535: 400 crops' windows x 12
+        # heads is past it); a (batch, head)'s query blocks are neighbours (its k/v stay in L2),
+        # last block first: under the prefix-causal mask the last blocks see the most keys
+        m_blocks = tl.cdiv(n_tokens, BLOCK_M)
+        pid = tl.program_id(0)
+        bh = pid // m_blocks
+        pid_m = m_blocks - 1 - pid % m_blocks
+        b = (bh // HEADS).to(tl.int64)
+        h = bh % HEADS
+        kvh = h // GROUP
+        # strides arrive divided by ALIGN (elements per 16 bytes where every stride allows it):
+        # multiplying back by the constexpr tells the compiler they are 16-byte multiples
+        q_base = Q + b * (stride_qb * ALIGN) + h * (stride_qh * ALIGN)
+        k_base = K + b * (stride_kb * ALIGN) + kvh * (stride_kh * ALIGN)
+        v_base = V + b * (stride_vb * ALIGN) + kvh * (stride_vh * ALIGN)
+        o_base = O + b * (stride_ob * ALIGN) + h * (stride_oh * ALIGN)
+        s_qn = stride_qn * ALIGN
+        s_kn = stride_kn * ALIGN
+        s_vn = stride_vn * ALIGN
+        s_on = stride_on * ALIGN
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_rows = tl.minimum(offs_m, n_tokens - 1)        # clamp: rows past the end are not stored
+        offs_d = tl.arange(0, BLOCK_D)
+        if BLOCK_D > HEAD_DIM:
+            cols = tl.minimum(offs_d, HEAD_DIM - 1)      # padded columns read a valid one
+        else:
+            cols = offs_d                                # contiguous: the loads vectorize
+        q = tl.load(q_base + q_rows[:, None] * s_qn + cols[None, :])
+        if BLOCK_D > HEAD_DIM:
+            q = tl.where((offs_d < HEAD_DIM)[None, :], q, 0.0)
+        if RELPOS:
+            rh_base = RH + b * stride_rhb + h * stride_rhh + q_rows[:, None] * stride_rhn
+            rw_base = RW + b * stride_rwb + h * stride_rwh + q_rows[:, None] * stride_rwn
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        end = n_tokens
+        if PREFIX_CAUSAL:
+            # the last key any row of this block sees is max(last row, n_prefix - 1)
+            end = tl.minimum(n_tokens, tl.maximum(pid_m * BLOCK_M + BLOCK_M, n_prefix))
+            last_key = tl.maximum(offs_m, n_prefix - 1)
+        # key block 0 is always visible to every row (key 0), so m_i is finite after it and no
+        # fully masked row ever computes -inf - -inf
+        for start_n in range(0, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_rows = tl.minimum(offs_n, n_tokens - 1)
+            k = tl.load(k_base + k_rows[:, None] * s_kn + cols[None, :])
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            if RELPOS:
+                kh = k_rows // grid_w
+                kw = k_rows - kh * grid_w
+                bias = tl.load(rh_base + kh[None, :]).to(tl.float32) + tl.load(rw_base + kw[None, :]).to(tl.float32)
+                qk += bias * 1.4426950408889634
+            visible = (offs_n < n_tokens)[None, :]
+            if PREFIX_CAUSAL:
+                visible = visible & (offs_n[None, :] <= last_key[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + k_rows[:, None] * s_vn + cols[None, :])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            m_i = m_new
+
+        out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+        store = (offs_m < n_tokens)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(o_base + offs_m[:, None] * s_on + offs_d[None, :], out, mask=store)
+
+
+_KERNELS = KernelTable(lambda: {"fwd": _biased_attn_fwd})
+
+
+def _check(name: str, t, ndim: int, dtype=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride(-1) == 1), got strides {t.stride()}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} dtype {t.dtype} does not match q's {dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+
+def _aligned(ts, vec: int) -> bool:
+    return all(t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1]) for t in ts)
+
+
+def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, config: BlockConfig | None):
+    _check("q", q, 4)
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
+    _check("k", k, 4, q.dtype, q.device)
+    _check("v", v, 4, q.dtype, q.device)
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (b, kv_heads, n, d) or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B={b}, kv_heads, N={n}, D={d}] "
+                         "(self-attention: as many keys as queries)")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads are no multiple of {kv_heads} kv heads")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} not supported (1..{_MAX_HEAD_DIM})")
+    scale = float(scale)
+    if not (scale > 0.0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite positive float, got {scale}")
+    out = torch.empty((b, n, heads, d), dtype=q.dtype, device=q.device)
+    if b * heads * n == 0:
+        return out.transpose(1, 2)
+    ok, why = triton_available_cached()
+    if not ok:
+        raise RuntimeError(f"biased attention needs triton: {why}")
+    if q.device.type != "cuda" and not TRITON_INTERPRETED:
+        raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 before triton is imported, for CPU tensors)")
+    relpos = rel_h is not None
+    if relpos:
+        rh_strides, rw_strides = rel_h.stride()[:3], rel_w.stride()[:3]
+    else:
+        rel_h = rel_w = q                               # not read (RELPOS is off)
+        rh_strides = rw_strides = (0, 0, 0)
+    vec = 16 // q.element_size()
+    align = vec if _aligned((q, k, v, out), vec) else 1
+    bm, bn, warps, stages = config or default_config(n, q.dtype)
+    grid = (triton.cdiv(n, bm) * b * heads,)
+    _KERNELS["fwd"][grid](
+        q, k, v, out, rel_h, rel_w,
+        *(s // align for s in q.stride()[:3]), *(s // align for s in k.stride()[:3]),
+        *(s // align for s in v.stride()[:3]),
+        out.stride(0) // align, out.stride(2) // align, out.stride(1) // align,
+        *rh_strides, *rw_strides,
+        n, grid_w, n_prefix, scale * _LOG2E,
+        HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=bm, BLOCK_N=bn, ALIGN=align, RELPOS=relpos, PREFIX_CAUSAL=not relpos,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    return out.transpose(1, 2)
+
+
+def relpos_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_h: torch.Tensor, rel_w: torch.Tensor,
+                     scale: float, config: BlockConfig | None = None) -> torch.Tensor:
+    """softmax(scale * q k^T + rel_h[:, :, :, key row] + rel_w[:, :, :, key col]) v over a
+    grid_h x grid_w grid of N = grid_h * grid_w tokens (row-major), one launch.
+
+    q, k, v: [B, H, N, D] (any strides, last dim contiguous); rel_h: [B, H, N, grid_h], rel_w:
+    [B, H, N, grid_w] (last dim contiguous). Returns [B, H, N, D] (a view of a contiguous
+    [B, N, H, D])."""
+    _check("q", q, 4)
+    _check("rel_h", rel_h, 4, q.dtype, q.device)
+    _check("rel_w", rel_w, 4, q.dtype, q.device)
+    b, heads, n, _ = q.shape
+    gh, gw = rel_h.shape[-1], rel_w.shape[-1]
+    if rel_h.shape[:3] != (b, heads, n) or rel_w.shape[:3] != (b, heads, n) or gh * gw != n:
+        raise ValueError(f"rel_h {tuple(rel_h.shape)} / rel_w {tuple(rel_w.shape)} must be [B={b}, H={heads}, "
+                         f"N={n}, grid_h] / [.., grid_w] with grid_h * grid_w == N")
+    if k.shape[1] != heads:
+        raise ValueError(f"relpos attention has as many k/v heads as q heads ({heads}), got {k.shape[1]}")
+    return _launch(q, k, v, rel_h, rel_w, gw, 0, scale, config)
+
+
+def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, scale: float,
+                            config: BlockConfig | None = None) -> torch.Tensor:
+    """Attention where key j is visible to query i iff j <= max(i, n_prefix - 1): a
+    bidirectional prefix of ``n_prefix`` tokens, causal after it. q: [B, Hq, N, D]; k, v:
+    [B, Hkv, N, D] with Hq a multiple of Hkv (grouped-query heads share k/v head h // (Hq/Hkv)).
+    Returns [B, Hq, N, D] (a view of a contiguous [B, N, Hq, D])."""
+    if isinstance(n_prefix, bool) or not isinstance(n_prefix, int):
+        raise ValueError(f"n_prefix must be a host int, got {type(n_prefix).__name__}")
+    _check("q", q, 4)
+    if not 0 <= n_prefix <= q.shape[2]:
+        raise ValueError(f"n_prefix {n_prefix} out of range [0, N={q.shape[2]}]")
+    return _launch(q, k, v, None, None, 1, n_prefix, scale, config)

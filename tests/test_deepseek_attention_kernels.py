@@ -1,0 +1,404 @@
+"""DeepSeek-OCR-2's attention kernels (ops/triton/biased_attention.py) against the ATen backends
+(ops/attention/biased.py), the plan's choice of them per capability row, and the tower's
+dispatch through the backends the plan chose.
+
+CPU: the kernels run in the Triton interpreter, which needs TRITON_INTERPRET=1 before triton is
+first imported; as in test_triton_paged_attention.py the ``test_interp_*`` tests run in a child
+process started with it (``test_interpreter_subprocess``): fp32 on tiny odd shapes (a window
+with padding, a global layer with a resized table, GQA prefixes of 0, some and all tokens),
+max abs <= 1e-4, and two faults (a dropped bias term, a prefix off by one) that the same
+comparison catches. CUDA (``test_cuda_*``, compiled kernels): bf16 / fp16 / fp32 at the real
+shapes, the tiny tower end to end, and `info` choosing the kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from fastdeploy_ext.capabilities import capability_table  # noqa: E402
+from fastdeploy_ext.models.deepseek_ocr2 import vision as V  # noqa: E402
+from fastdeploy_ext.models.deepseek_ocr2.config import (DeepseekOCR2Config, EncoderConfig, SamConfig,  # noqa: E402
+                                                        TextConfig)
+from fastdeploy_ext.models.registry import get_family  # noqa: E402
+from fastdeploy_ext.ops.attention.biased import (SDPA_BIAS, SDPA_MASK, TRITON_PREFIX_CAUSAL, TRITON_RELPOS,  # noqa: E402
+                                                 SdpaPrefixMask, SdpaRelPos, prefix_mask)
+from fastdeploy_ext.ops.triton import runtime as ta  # noqa: E402
+from fastdeploy_ext.plan import BUILTIN_TOWER, ComponentKind, PlanRequest, QkvLayout, resolve_for_components  # noqa: E402
+
+_REPO = Path(__file__).resolve().parents[1]
+interp = pytest.mark.skipif(not ta.TRITON_INTERPRETED, reason="interpreter test: runs in test_interpreter_subprocess")
+WINDOW, GLOBAL, PREFIX = (ComponentKind.RELPOS_WINDOW_ATTENTION, ComponentKind.RELPOS_GLOBAL_ATTENTION,
+                          ComponentKind.PREFIX_CAUSAL_ATTENTION)
+FAMILY = get_family("deepseek_ocr2")
+TRITON_EXECUTION = V.VisionExecution(strided_qkv=True, window_attention=TRITON_RELPOS, global_attention=TRITON_RELPOS,
+                                     prefix_attention=TRITON_PREFIX_CAUSAL)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def relpos_case(b, h, gh, gw, d, dtype=torch.float32, device="cpu", seed=0):
+    """q/k/v as SAM's strided views of one packed qkv [B, N, 3, H, D]; rel_h/rel_w as SAM's
+    einsum makes them, from random tables ([B, H, N, grid_h] / [.., grid_w])."""
+    g = torch.Generator().manual_seed(seed)
+    n = gh * gw
+    qkv = torch.randn(b, n, 3, h, d, generator=g).to(device, dtype)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    qg = q.reshape(b, h, gh, gw, d)
+    th = V.rel_pos_table(torch.randn(2 * gh - 1, d, generator=g).to(device, dtype), gh)
+    tw = V.rel_pos_table(torch.randn(2 * gw - 1, d, generator=g).to(device, dtype), gw)
+    rel_h = torch.einsum("bnhwc,hkc->bnhwk", qg, th).reshape(b, h, n, gh)
+    rel_w = torch.einsum("bnhwc,wkc->bnhwk", qg, tw).reshape(b, h, n, gw)
+    return q, k, v, rel_h, rel_w
+
+
+def prefix_case(b, hq, hkv, n, d, dtype=torch.float32, device="cpu", seed=0):
+    """q/k/v as the encoder's views of [B, N, H, D] projections."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, hq, d, generator=g).to(device, dtype).transpose(1, 2)
+    k = torch.randn(b, n, hkv, d, generator=g).to(device, dtype).transpose(1, 2)
+    v = torch.randn(b, n, hkv, d, generator=g).to(device, dtype).transpose(1, 2)
+    return q, k, v
+
+
+def masked_reference(q, k, v, n_prefix):
+    """The ATen backend's math in fp32, k/v repeated, the boolean mask materialized."""
+    return SDPA_MASK(q.float(), k.float(), v.float(), prefix_mask(n_prefix, q.shape[2], q.device))
+
+
+def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights where every tensor moves the outputs (biases too: padded window keys are the qkv
+    bias; the rel-pos tables are zeros at init)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.ndim == 1 or "rel_pos" in name or "pos_embed" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / p[0].numel() ** 0.5)
+    return module.eval()
+
+
+# SAM at tiny width: 2 heads of 16, 5x5 windows, a 12x12 trained grid (rel-pos tables of 23 rows)
+SAM = SamConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=48, image_size=192,
+                patch_size=16, window_size=5, global_attn_indexes=(1,), output_channels=16,
+                downsample_channels=(24, 48))         # the last one: the encoder width
+# the encoder at tiny width: GQA 6 q / 2 kv heads of 8 (the kernel pads the head dim to 16)
+ENC = EncoderConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                    intermediate_size=64)
+
+
+# ------------------------------------------------------------------ the interpreter (CPU)
+def test_interpreter_subprocess():
+    if ta.TRITON_INTERPRETED:
+        pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host runs the compiled kernels (test_cuda_*); cpu/unit runs the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+           "-k", "test_interp_"]
+    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=900)
+    tail = (res.stdout + res.stderr)[-6000:]
+    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+
+
+@interp
+@pytest.mark.parametrize("b,h,gh,gw,d,block", [(2, 2, 5, 7, 16, (16, 16)),      # odd non-square grid
+                                               (1, 3, 3, 3, 24, (16, 16)),      # head dim padded to 32
+                                               (1, 1, 9, 9, 64, None)])         # the default blocks, D=64
+def test_interp_relpos_kernel_matches_sdpa_bias(b, h, gh, gw, d, block):
+    from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, relpos_attention
+    q, k, v, rel_h, rel_w = relpos_case(b, h, gh, gw, d)
+    cfg = BlockConfig(*block, 4, 2) if block else None
+    got = relpos_attention(q, k, v, rel_h, rel_w, d ** -0.5, cfg)
+    assert got.shape == q.shape and got.transpose(1, 2).is_contiguous()    # [B, N, H, D] underneath
+    assert _err(got, SDPA_BIAS(q, k, v, rel_h, rel_w)) <= 1e-4
+
+
+@interp
+@pytest.mark.parametrize("window,side,strided", [(5, 7, True), (5, 7, False), (0, 9, True)])
+def test_interp_sam_block_with_the_kernel_matches_aten(window, side, strided):
+    """A whole SAM block: 7x7 patches in 5x5 windows (padded to 10x10: three of four windows
+    hold padding whose keys/values are the qkv bias) and a global layer over 9x9 (its 23-row
+    tables resized to 17), q/k/v strided views or contiguous copies."""
+    blk = randomized(V.SamBlock(SAM, window), seed=1)
+    x = torch.randn(2, side, side, SAM.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = blk(x, V.VisionExecution(strided_qkv=strided))
+        got = blk(x, dataclasses.replace(TRITON_EXECUTION, strided_qkv=strided))
+    assert want.abs().max() > 0.5 and _err(got, want) <= 1e-4
+
+
+@interp
+@pytest.mark.parametrize("b,hq,hkv,n,n_prefix,d", [(2, 6, 2, 23, 11, 16),     # GQA 3:1, prefix then queries
+                                                  (1, 4, 1, 9, 0, 8),        # causal only, head dim padded
+                                                  (1, 2, 2, 13, 13, 32),     # all prefix: bidirectional
+                                                  (1, 14, 2, 40, 20, 64)])   # the released heads, 20 + 20
+def test_interp_prefix_causal_kernel_matches_masked_sdpa(b, hq, hkv, n, n_prefix, d):
+    from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, prefix_causal_attention
+    q, k, v = prefix_case(b, hq, hkv, n, d)
+    got = prefix_causal_attention(q, k, v, n_prefix, d ** -0.5, BlockConfig(16, 16, 4, 2))
+    assert _err(got, masked_reference(q, k, v, n_prefix)) <= 1e-4
+
+
+@interp
+def test_interp_query_encoder_with_the_kernel_matches_aten():
+    enc = randomized(V.QueryEncoder(ENC), seed=3)
+    g = torch.Generator().manual_seed(4)
+    visual, queries = torch.randn(2, 10, ENC.hidden_size, generator=g), torch.randn(7, ENC.hidden_size, generator=g)
+    with torch.no_grad():
+        want = enc(visual, queries, V.VisionExecution())
+        got = enc(visual, queries, TRITON_EXECUTION)
+    assert want.shape == (2, 7, ENC.hidden_size) and _err(got, want) <= 1e-4
+
+
+@interp
+def test_interp_a_dropped_bias_term_or_an_off_by_one_prefix_fails_the_comparison():
+    """The comparisons above can fail: the kernel launched without the column term of the bias,
+    or with the prefix one token short or long, is far past 1e-4 from the ATen backend."""
+    from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, prefix_causal_attention, relpos_attention
+    q, k, v, rel_h, rel_w = relpos_case(2, 2, 5, 7, 16)
+    want = SDPA_BIAS(q, k, v, rel_h, rel_w)
+    assert _err(relpos_attention(q, k, v, rel_h, torch.zeros_like(rel_w), 16 ** -0.5), want) > 1e-2
+    assert _err(relpos_attention(q, k, v, rel_h, rel_w, 16 ** -0.5), want) <= 1e-4     # the same call, unbroken
+    q, k, v = prefix_case(2, 6, 2, 23, 16)
+    want = masked_reference(q, k, v, 11)
+    cfg = BlockConfig(16, 16, 4, 2)
+    for wrong in (10, 12):
+        assert _err(prefix_causal_attention(q, k, v, wrong, 16 ** -0.5, cfg), want) > 1e-2
+    assert _err(prefix_causal_attention(q, k, v, 11, 16 ** -0.5, cfg), want) <= 1e-4
+
+
+# ------------------------------------------------------------------ launcher checks (no kernel runs)
+def test_bad_inputs_name_the_problem():
+    from fastdeploy_ext.ops.triton.biased_attention import prefix_causal_attention, relpos_attention
+    q, k, v, rel_h, rel_w = relpos_case(1, 2, 3, 4, 16)
+    with pytest.raises(ValueError, match="grid_h \\* grid_w == N"):
+        relpos_attention(q, k, v, rel_h[..., :2], rel_w, 0.25)
+    with pytest.raises(ValueError, match="rel_w dtype torch.float16 does not match"):
+        relpos_attention(q, k, v, rel_h, rel_w.half(), 0.25)
+    q, k, v = prefix_case(1, 6, 4, 5, 16)
+    with pytest.raises(ValueError, match="6 query heads are no multiple of 4 kv heads"):
+        prefix_causal_attention(q, k, v, 2, 0.25)
+    with pytest.raises(ValueError, match="n_prefix 6 out of range"):
+        prefix_causal_attention(q, k, v, 6, 0.25)
+    with pytest.raises(ValueError, match="n_prefix must be a host int"):
+        prefix_causal_attention(q, k, v, torch.tensor(2), 0.25)
+
+
+def test_bench_names_a_bad_workload():
+    out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.bench.deepseek_attention", "--workloads",
+                          "global_v16,nope"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown workload(s) nope; known: window_v16" in out.stderr
+
+
+# ------------------------------------------------------------------ the plan
+ROWS = capability_table(override="")
+PAGED = {"triton_paged": (True, "test: here"), "sdpa_paged": (True, "ok")}
+COMPONENTS = FAMILY.components(FAMILY.default_config())
+
+
+def _tower(triton_present: bool):
+    tower = {k: dict(v) for k, v in BUILTIN_TOWER.items()}
+    if triton_present:
+        for kind, name in ((WINDOW, "triton_relpos"), (GLOBAL, "triton_relpos"), (PREFIX, "triton_prefix_causal")):
+            tower[kind][name] = (True, True, "test: CUDA and triton here")
+    return tower
+
+
+def _plan(row: str, dtype: str, triton_present: bool):
+    return resolve_for_components(ROWS[row], PlanRequest(dtype=dtype), COMPONENTS, device="cuda:0", kernels={},
+                                  text_available=PAGED, tower_available=_tower(triton_present))
+
+
+@pytest.mark.parametrize("row", ["cuda_sm90", "cuda_sm80"])
+def test_cuda_rows_prefer_the_triton_kernels_in_half_precision(row):
+    plan = _plan(row, "bfloat16", True)
+    for kind, name in ((WINDOW, "triton_relpos"), (GLOBAL, "triton_relpos"), (PREFIX, "triton_prefix_causal")):
+        d = plan.kernel(kind)
+        assert d.value == name and d.reason == f"first usable in row {row} {kind.value.rsplit('_', 1)[0]} " \
+                                               "preference order"
+    assert plan.qkv_layout.value is QkvLayout.STRIDED and "triton_relpos reads strided q/k/v" in plan.qkv_layout.reason
+    # fp32 (the parity dtype) keeps ATen's math, with the reason
+    plan = _plan(row, "float32", True)
+    d = plan.kernel(WINDOW)
+    assert d.value == "sdpa_bias" and "skipped triton_relpos: dtype float32 not in" in d.reason
+    assert plan.kernel(PREFIX).value == "sdpa_mask"
+
+
+def test_without_triton_the_cuda_rows_fall_back_to_aten_saying_why():
+    plan = _plan("cuda_sm90", "bfloat16", False)
+    assert plan.kernel(WINDOW).value == plan.kernel(GLOBAL).value == "sdpa_bias"
+    assert plan.kernel(PREFIX).value == "sdpa_mask"
+    assert "skipped triton_relpos: kernel unavailable: Triton kernels need a CUDA device" in plan.kernel(WINDOW).reason
+    assert any(n.startswith("prefix-causal attention triton_prefix_causal skipped: kernel unavailable")
+               for n in plan.notes)
+
+
+@pytest.mark.parametrize("row", ["cpu", "cpu_amx", "metax_c500", "cuda"])
+def test_other_rows_keep_aten_even_with_triton_present(row):
+    plan = _plan(row, "float32", True)
+    assert plan.kernel(WINDOW).value == "sdpa_bias" and plan.kernel(PREFIX).value == "sdpa_mask"
+
+
+# ------------------------------------------------------------------ the tower dispatches through the plan
+class CountingRelPos(SdpaRelPos):
+    def __init__(self, name):
+        self.name, self.calls = name, []
+
+    def __call__(self, q, k, v, rel_h, rel_w):
+        self.calls.append((q.shape[2], rel_h.shape[-1], rel_w.shape[-1]))
+        return super().__call__(q, k, v, rel_h, rel_w)
+
+
+class CountingPrefix(SdpaPrefixMask):
+    name = "lab_prefix"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, state):
+        self.calls.append((q.shape[1], k.shape[1], q.shape[2]))
+        return super().__call__(q, k, v, state)
+
+
+LAB_ROW = """
+rows:
+  lab:
+    runner: cpu
+    match: {}
+    dtypes: [float32]
+    default_dtype: float32
+    kernels:
+      vision_varlen_attention:
+        - {backend: sdpa, dtypes: [float32]}
+      paged_decoder_attention:
+        - {backend: sdpa_paged, head_dims: [1, 512], dtypes: [float32]}
+      relpos_window_attention:
+        - {backend: lab_window, dtypes: [float32]}
+        - {backend: sdpa_bias, dtypes: [float32]}
+      relpos_global_attention:
+        - {backend: lab_global, dtypes: [float32]}
+        - {backend: sdpa_bias, dtypes: [float32]}
+      prefix_causal_attention:
+        - {backend: lab_prefix, dtypes: [float32]}
+        - {backend: sdpa_mask, dtypes: [float32]}
+      moe_experts:
+        - {backend: aten_moe, dtypes: [float32]}
+    host_grid_thw: true
+    graphs: {kinds: [], default: false}
+"""
+
+
+def test_the_tower_runs_the_backends_the_runners_plan_chose():
+    """A runner whose row prefers contributed backends for the three kinds hands them to the
+    tower through its execution; SAM's windowed layer, its global layer and every encoder layer
+    call them (the global view's 64x64 grid in 14x14 windows), with ATen's results (the plan is
+    re-resolved for the family as load_model does)."""
+    from backends.cpu_amx import CpuRunner
+    from fastdeploy_ext.plan import load_table
+    window, glob, prefix = CountingRelPos("lab_window"), CountingRelPos("lab_global"), CountingPrefix()
+
+    class LabRunner(CpuRunner):
+        name = "lab"
+        forced_row = "lab"
+
+        @classmethod
+        def kernel_backends(cls):
+            return {WINDOW: [window], GLOBAL: [glob], PREFIX: [prefix]}
+
+    runner = LabRunner.create(PlanRequest(device="cpu"), table=load_table(LAB_ROW))
+    runner.plan_for_model(FAMILY, FAMILY.default_config())      # as load_model re-resolves for its family
+    assert (runner.plan.relpos_window_attention.value, runner.plan.relpos_global_attention.value,
+            runner.plan.prefix_causal_attention.value) == ("lab_window", "lab_global", "lab_prefix")
+    ex = runner.execution
+    assert ex.window_attention is window and ex.global_attention is glob and ex.prefix_attention is prefix
+
+    cfg = DeepseekOCR2Config(sam=dataclasses.replace(SAM, image_size=1024, window_size=14), encoder=ENC,
+                             text=TextConfig(hidden_size=40))
+    tower = randomized(V.DeepseekOCR2Vision(cfg), seed=5)
+    meta = V.VisionMetadataBuilder(cfg, device=torch.device("cpu")).build_host([(1, 1, 1)])
+    pixels = torch.randn(meta.num_tokens, cfg.patch_dim, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = tower(pixels, meta, ex)
+        want = tower(pixels, meta, V.VisionExecution(strided_qkv=ex.strided_qkv))
+    assert window.calls == [(196, 14, 14)] and glob.calls == [(4096, 64, 64)]
+    assert prefix.calls == [(6, 2, 512)] * ENC.num_hidden_layers       # 256 visual + 256 queries, kv unrepeated
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ CUDA (compiled)
+@pytest.fixture
+def cuda():
+    if ta.TRITON_INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device and triton in compiled mode")
+
+
+# (abs, rel) against an fp32 reference on the same rounded inputs: the output's own rounding to
+# the dtype (rel: half an ulp, 2^-8 bf16 / 2^-11 fp16) plus P rounded to the dtype before P @ V
+TOL = {torch.bfloat16: (1e-2, 2 ** -8), torch.float16: (2e-3, 2 ** -11), torch.float32: (1e-4, 0.0)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    atol, rtol = TOL[got.dtype]
+    return bool(((got.float() - want).abs() <= atol + rtol * want.abs()).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,side", [(50, 14), (2, 64), (3, 48)])     # windows, a 1024 view, 768 crops
+def test_cuda_relpos_matches_sdpa_bias_at_the_real_shapes(cuda, dtype, b, side):
+    q, k, v, rel_h, rel_w = relpos_case(b, 12, side, side, 64, dtype=dtype, device="cuda")
+    got = TRITON_RELPOS(q, k, v, rel_h, rel_w)
+    want = SDPA_BIAS(q.float(), k.float(), v.float(), rel_h.float(), rel_w.float())
+    assert got.dtype == dtype and _close(got, want), _err(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,n_visual", [(16, 256), (8, 144), (3, 100)])
+def test_cuda_prefix_causal_matches_masked_sdpa_at_the_real_shapes(cuda, dtype, b, n_visual):
+    q, k, v = prefix_case(b, 14, 2, 2 * n_visual, 64, dtype=dtype, device="cuda")
+    got = TRITON_PREFIX_CAUSAL(q, k, v, TRITON_PREFIX_CAUSAL.prepare(n_visual, 2 * n_visual, q.device))
+    want = masked_reference(q, k, v, n_visual)
+    assert got.dtype == dtype and _close(got, want), _err(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_tiny_tower_with_the_kernels_matches_aten(cuda, dtype):
+    """The tower at the real geometry (a global view and two crops: 64x64 and 48x48 grids in
+    14x14 windows, 256 + 144 queries), tiny widths: the Triton execution against ATen's."""
+    cfg = DeepseekOCR2Config(sam=dataclasses.replace(SAM, image_size=1024, window_size=14), encoder=ENC,
+                             text=TextConfig(hidden_size=40))
+    tower = randomized(V.DeepseekOCR2Vision(cfg), seed=5).to("cuda", dtype)
+    meta = V.VisionMetadataBuilder(cfg, device=torch.device("cuda")).build_host([(3, 1, 2)])
+    pixels = torch.randn(meta.num_tokens, cfg.patch_dim, generator=torch.Generator().manual_seed(6)).to("cuda", dtype)
+    with torch.no_grad():
+        got = tower(pixels, meta, TRITON_EXECUTION).float()
+        want = tower(pixels, meta, V.VisionExecution(strided_qkv=True)).float()
+    if dtype == torch.float32:
+        assert _err(got, want) <= 1e-4
+    else:
+        assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() >= 0.999
+
+
+def test_cuda_info_chooses_the_kernels(cuda):
+    out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "info", "--model-family",
+                          "deepseek_ocr2", "--device", "cuda"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for line in ("relpos_window_attention = triton_relpos", "relpos_global_attention = triton_relpos",
+                 "prefix_causal_attention = triton_prefix_causal", "qkv_layout              = strided"):
+        assert line in out.stdout, out.stdout
