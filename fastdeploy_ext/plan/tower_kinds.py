@@ -21,7 +21,8 @@ BUILTIN_TOWER: dict[ComponentKind, dict[str, tuple[bool, bool, str]]] = {
     ComponentKind.RELPOS_WINDOW_ATTENTION: {"sdpa_bias": (True, True, "ATen SDPA with an additive bias: every device")},
     ComponentKind.RELPOS_GLOBAL_ATTENTION: {"sdpa_bias": (True, True, "ATen SDPA with an additive bias: every device")},
     ComponentKind.PREFIX_CAUSAL_ATTENTION: {"sdpa_mask": (True, True, "ATen SDPA with a boolean mask: every device")},
-    ComponentKind.MOE_EXPERTS: {"aten_moe": (True, False, "ATen matmuls: every device")},
+    ComponentKind.MOE_EXPERTS: {"triton_moe": (False, False, "Triton kernels need a CUDA device"),
+                                "aten_moe": (True, False, "ATen matmuls: every device")},
 }
 
 _WHAT = {ComponentKind.RELPOS_WINDOW_ATTENTION: ("windowed rel-pos attention", "relpos_window"),
