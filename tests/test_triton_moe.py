@@ -279,6 +279,31 @@ def test_interp_the_model_moe_through_the_triton_backend():
         assert (got - want).abs().max().item() <= 1e-4
 
 
+@interp
+def test_interp_the_runner_sets_the_plans_backend_on_the_decoder(tmp_path, monkeypatch):
+    """A row listing triton_moe first (an override; the interpreter stands in for CUDA): the plan
+    picks it, the loaded decoder's MoE layers run it, and their output equals aten_moe's."""
+    from fastdeploy_ext.models.deepseek_ocr2 import text, tiny
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import create_runner
+    monkeypatch.setattr(rt, "available_on", lambda device: (True, "test: the interpreter on the CPU"))
+    caps = tmp_path / "caps.yaml"
+    caps.write_text("rows:\n  cpu:\n    kernels:\n      moe_experts:\n"
+                    "        - {backend: triton_moe, dtypes: [float32]}\n"
+                    "        - {backend: aten_moe, dtypes: [float32]}\n")
+    runner = create_runner(PlanRequest(device="cpu", capabilities=str(caps)))
+    runner.load_model(str(tiny.write_checkpoint(tmp_path / "tiny", seed=3)), with_text=True)
+    assert runner.plan.moe_experts.value == "triton_moe", runner.plan.moe_experts
+    moes = [layer.mlp for layer in runner.text_model.layers if isinstance(layer.mlp, text.MoE)]
+    assert moes and all(m.backend.name == "triton_moe" for m in moes)
+    x = _x(11, runner.cfg.text.hidden_size, seed=5)
+    with torch.inference_mode():
+        got = moes[0](x)
+        moes[0].backend = text.ATEN_MOE
+        want = moes[0](x)
+    assert (got - want).abs().max().item() <= 1e-4 and want.abs().max().item() > 1e-3
+
+
 # ------------------------------------------------------------------ CUDA (the cuda/unit leg)
 RELEASED = dict(e=64, h=1280, i=896, k=6)
 
