@@ -56,7 +56,7 @@ def _x(t: int, h: int, dtype=torch.float32, device="cpu", seed: int = 2):
 @pytest.mark.parametrize("t,k,e,block_m", [(3, 2, 8, 16), (40, 2, 8, 16), (25, 3, 5, 4), (1, 6, 64, 16)])
 def test_grouping_puts_each_expert_on_whole_blocks(t, k, e, block_m):
     _, idx = _routing(t, k, e, seed=t, every_token_to=3 if t >= 40 else None)   # 40: one expert > a block
-    rows, block_expert = gm.align_by_expert(idx, e, block_m)
+    rows, block_expert = gm.align_by_expert(idx, e, block_m, kernel=False)
     m = t * k
     assert rows.numel() == gm.grouped_capacity(m, e, block_m) and rows.numel() % block_m == 0
     assert block_expert.numel() == rows.numel() // block_m
@@ -82,7 +82,7 @@ def test_grouping_makes_no_host_sync():
     value back (the decode step runs it inside CUDA graphs)."""
     _, idx = _routing(64, 6, 64)
     with torch.inference_mode(), HostSyncGuard({"meta"}) as guard:
-        rows, block_expert = gm.align_by_expert(idx.to("meta"), 64, 16)
+        rows, block_expert = gm.align_by_expert(idx.to("meta"), 64, 16, kernel=False)
     assert guard.events == [] and rows.device.type == "meta"
     assert rows.numel() == gm.grouped_capacity(64 * 6, 64, 16)
 
@@ -206,6 +206,21 @@ CASES = {
 
 
 @interp
+@pytest.mark.parametrize("t,k,e,block_m", [(3, 2, 8, 16), (40, 2, 8, 16), (25, 3, 5, 4), (1, 6, 64, 16),
+                                           (50, 6, 20, 16)])     # 300 rows: several chunks of the kernel
+def test_interp_grouping_kernel_equals_the_torch_ops(t, k, e, block_m):
+    """The single-program grouping kernel gives the torch grouping's tensors exactly (so the
+    torch version's checks above hold for it), and is what decode-sized batches use."""
+    _, idx = _routing(t, k, e, seed=t, every_token_to=3 if t >= 40 else None)
+    want = gm.align_by_expert(idx, e, block_m, kernel=False)
+    got = gm.align_by_expert(idx, e, block_m, kernel=True)
+    assert got[0].dtype == want[0].dtype == torch.int32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    auto = gm.align_by_expert(idx, e, block_m)
+    assert torch.equal(auto[0], want[0]) and t * k <= gm.ALIGN_KERNEL_MAX_ROWS
+
+
+@interp
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interp_matches_aten_fp32(name):
     x, w, idx, gate_up, down = _case(**CASES[name])
@@ -323,6 +338,17 @@ def test_cuda_bf16_released_shape_matches_fp32_aten(t):
     assert err <= 2e-2 * want.abs().max().item(), err
     cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want.flatten(), dim=0).item()
     assert cos >= 0.9995
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 64, 128, 600])
+def test_cuda_grouping_kernel_equals_the_torch_ops(t):
+    e, k = RELEASED["e"], RELEASED["k"]
+    _, idx = _routing(t, k, e, seed=t, device="cuda")
+    bm = gm.pick_blocks(t * k, e).block_m
+    want = gm.align_by_expert(idx, e, bm, kernel=False)
+    got = gm.align_by_expert(idx, e, bm, kernel=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @cuda

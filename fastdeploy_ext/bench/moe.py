@@ -14,8 +14,9 @@ column) for decode-sized (1, 64, 128 tokens) and prefill-sized (4096) batches:
 Each column times the whole layer (router, routed experts, shared experts) eagerly; ``ours`` and
 ``aten_moe`` are also timed as one CUDA graph replay (the decode step runs in graphs; the
 transformers loop cannot be captured). Ratios are the other's time over ours (> 1: ours faster).
-Before timing, every column's output is compared with ours (cosine). Times are medians of CUDA
-event timings (host timer on the CPU). Nothing here asserts a time.
+Before timing, every column's output is compared with ours (cosine). On CUDA the grouping of
+rows by expert is also timed alone (graphed), torch ops vs the one-program kernel. Times are
+medians of CUDA event timings (host timer on the CPU). Nothing here asserts a time.
 """
 from __future__ import annotations
 
@@ -95,6 +96,18 @@ def _graphed(fn, device: torch.device):
     return graph.replay
 
 
+def _grouping_times(moe, x, device, warmup: int, iters: int, api) -> dict[str, float]:
+    """The device-side grouping alone, graphed: torch ops vs the single-program kernel (which
+    align_by_expert picks up to ALIGN_KERNEL_MAX_ROWS rows)."""
+    from ..ops.triton.grouped_moe import align_by_expert, pick_blocks
+    _, idx = moe.route(x)
+    e = moe.gate_up.shape[0]
+    bm = pick_blocks(idx.numel(), e).block_m
+    return {f"group_{name}_graph": median_ms(_graphed(lambda kernel=kernel: align_by_expert(idx, e, bm, kernel=kernel),
+                                                      device), warmup, iters, api)
+            for name, kernel in (("torch", False), ("kernel", True))}
+
+
 def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, warmup: int, iters: int,
         graphs: bool) -> list[dict]:
     from ..ops.moe import BUILTIN_MOE_BACKENDS
@@ -144,6 +157,8 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
                 for name in ("ours", "aten_moe"):
                     if name in fns:
                         cols[f"{name}_graph"] = median_ms(_graphed(fns[name], device), warmup, iters, api)
+            if triton_ok and graphs and device.type == "cuda":
+                cols.update(_grouping_times(ours, x, device, warmup, iters, api))
         ours.backend = backends["aten_moe"]
         ref_time = cols.get("ours")
         ratios = {f"{k}/ours": cols[k] / ref_time for k in ("aten_moe", "tf_loop", "tf_grouped_mm")
@@ -167,6 +182,10 @@ def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: t
     for r in rows:
         print(f"{r['tokens']:>6} " + " ".join(f"{_fmt(r.get(c)):>14}" for c in cols) + " | "
               + " ".join(f"{_fmt(r.get(x)):>25}" for x in ratios))
+    if any("group_torch_graph" in r for r in rows):
+        print("grouping rows by expert alone (graphed, ms): torch ops vs the one-program kernel")
+        for r in rows:
+            print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
     for r in rows:
         cos = ", ".join(f"{k[4:]} {v:.5f}" for k, v in r.items() if k.startswith("cos_"))
         print(f"  tokens {r['tokens']}: cosine vs {r['base']}: {cos}" + "".join(

@@ -1,11 +1,11 @@
 """Triton grouped-GEMM mixture of experts: the routed experts of a SwiGLU MoE in two launches.
 
 The token x expert assignments (T tokens x k experts each: M = T*k rows) are grouped by expert
-on the device (:func:`align_by_expert`): a stable sort by expert id, each expert's run padded up
-to a multiple of the row block ``block_m``, so every block of ``block_m`` rows belongs to one
-expert. Everything is fixed-shape torch ops (a count by scatter, cumulative sums, a sort, a
-searchsorted): no value is read back to the host, so a decode step that runs it can be captured
-in a CUDA graph. The buffer of grouped rows has a static capacity (each non-empty expert wastes
+on the device (:func:`align_by_expert`): the rows in expert order (stable), each expert's run
+padded up to a multiple of the row block ``block_m``, so every block of ``block_m`` rows belongs
+to one expert. One single-program kernel does it for decode-sized batches, fixed-shape torch
+ops (a count by scatter, cumulative sums, a sort, a searchsorted) for larger ones: no value is
+read back to the host, so a decode step that runs it can be captured in a CUDA graph. The buffer of grouped rows has a static capacity (each non-empty expert wastes
 at most ``block_m - 1`` padding rows); blocks past the used part carry the expert id E and
 return at once.
 
@@ -59,11 +59,32 @@ def grouped_capacity(assignments: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+#: batches of at most this many token x expert rows are grouped by one single-program Triton
+#: kernel (decode: one launch instead of ~20 small torch ops per layer); larger ones by torch ops
+#: (prefill: each op is wide there, while one program would loop over every row)
+ALIGN_KERNEL_MAX_ROWS = 4096
+ALIGN_CHUNK = 128
+
+
+def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                    kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_rows int32 [capacity], block_expert int32 [capacity / block_m]) for ``expert_ids``
-    [T, k]: sorted_rows lists the assignment rows (t * k + j) grouped by expert, each expert's
-    run starting on a block boundary, padding rows = M (past the last row); block_expert is the
-    expert of each block, E for blocks past the used part. Device ops of static shape only."""
+    [T, k]: sorted_rows lists the assignment rows (t * k + j) grouped by expert in row order,
+    each expert's run starting on a block boundary, padding rows = M (past the last row);
+    block_expert is the expert of each block, E for blocks past the used part. Nothing is read
+    back to the host. ``kernel``: group with the Triton kernel (True), torch ops (False), or
+    the kernel where Triton runs on the device and there are at most ALIGN_KERNEL_MAX_ROWS rows
+    (None); both give the same tensors."""
+    m = expert_ids.numel()
+    if kernel is None:
+        from .runtime import kernels_usable
+        kernel = m <= ALIGN_KERNEL_MAX_ROWS and kernels_usable(expert_ids)
+    return _align_kernel(expert_ids, num_experts, block_m) if kernel else _align_torch(expert_ids, num_experts, block_m)
+
+
+def _align_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert in torch ops of static shape (a count by scatter, cumulative sums, a
+    stable sort, a searchsorted)."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     m, dev = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
@@ -82,8 +103,58 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return rows, block_expert
 
 
+def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_by_expert in one launch of one program (:func:`_align_rows_kernel`)."""
+    flat = expert_ids.reshape(-1).contiguous()
+    m, dev = flat.numel(), flat.device
+    cap = grouped_capacity(m, num_experts, block_m)
+    rows = torch.empty(cap, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    e_pad = 16
+    while e_pad < num_experts:
+        e_pad *= 2
+    _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
+                            CHUNK=ALIGN_CHUNK)
+    return rows, block_expert
+
+
 if triton is not None:
     # raw functions, decorated on first use in the mode triton was imported in (jit_decorator)
+    def _align_rows_kernel(IDS, ROWS, BLOCK_EXPERT, M, CAP, E: tl.constexpr, E_PAD: tl.constexpr,
+                           BM: tl.constexpr, CHUNK: tl.constexpr):
+        # one program: count rows per expert, scan the block-padded counts, then place each row
+        # at its expert's run start + the rows of that expert before it (row order, as a stable
+        # sort); positions left over are padding (M), and each block's expert is the number of
+        # padded runs ending at or before its start (E past the used part)
+        ex = tl.arange(0, E_PAD)
+        counts = tl.zeros([E_PAD], tl.int32)
+        for c0 in range(0, M, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            ids = tl.load(IDS + r, mask=r < M, other=-1)
+            counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
+        padded = (counts + (BM - 1)) // BM * BM
+        run_end = tl.cumsum(padded, 0)
+        run_start = run_end - padded
+        seen = tl.zeros([E_PAD], tl.int32)
+        for c0 in range(0, M, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            rmask = r < M
+            ids = tl.load(IDS + r, mask=rmask, other=-1)
+            hit = (ids[:, None] == ex[None, :]).to(tl.int32)
+            before = tl.cumsum(hit, 0) - hit                 # earlier rows of the same expert in this chunk
+            dest = tl.sum(hit * (before + (run_start + seen)[None, :]), 1)
+            tl.store(ROWS + dest, r, mask=rmask)
+            seen += tl.sum(hit, 0)
+        real_end = run_start + counts
+        for p0 in range(0, CAP, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)
+            pmask = p < CAP
+            owner = tl.minimum(tl.sum((run_end[None, :] <= p[:, None]).to(tl.int32), 1), E)
+            own = (ex[None, :] == owner[:, None]).to(tl.int32)
+            pad = p >= tl.sum(own * real_end[None, :], 1)
+            tl.store(ROWS + p, tl.full([CHUNK], 0, tl.int32) + M, mask=pmask & pad)
+            tl.store(BLOCK_EXPERT + p // BM, owner, mask=pmask & (p % BM == 0))
+
     def _gate_up_kernel(X, W, ROWS, BLOCK_EXPERT, H, M, K, N, E, TOPK,
                         s_xt, s_we, s_wn, s_wk, s_ht,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -141,7 +212,7 @@ if triton is not None:
                  mask=rmask[:, None] & nmask[None, :])
 
 
-_KERNELS = KernelTable(lambda: {"gate_up": _gate_up_kernel, "down": _down_kernel})
+_KERNELS = KernelTable(lambda: {"align": _align_rows_kernel, "gate_up": _gate_up_kernel, "down": _down_kernel})
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
@@ -204,4 +275,4 @@ def _interpreted() -> bool:
     return bool(TRITON_INTERPRETED)
 
 
-__all__ = ["MoEBlocks", "align_by_expert", "grouped_capacity", "grouped_moe", "pick_blocks"]
+__all__ = ["ALIGN_KERNEL_MAX_ROWS", "MoEBlocks", "align_by_expert", "grouped_capacity", "grouped_moe", "pick_blocks"]
