@@ -25,11 +25,14 @@
 #   detect (not in "all")  `bench detect --load-format dummy` bf16 at full size (800x800, batch 1/8/32:
 #                ours with its bucket graphs vs transformers, same weights and pixels) and
 #                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
+#   deepseek_moe (not in "all")  DeepSeek-OCR-2's MoE grouped GEMM and MHA paged decode: the CUDA tests of
+#                tests/test_triton_moe.py + test_triton_paged_attention.py, then `python3 -m
+#                fastdeploy_ext.bench.moe` (bf16, 1/64/128/4096 tokens: ours vs aten_moe vs transformers)
 #   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
 #   deepseek_kernels (not in "all")  DeepSeek-OCR-2's Triton attention kernels: tests/test_deepseek_attention_kernels.py
 #                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels]...
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -110,6 +113,17 @@ if [[ " $steps " == *" deepseek_kernels "* ]]; then
     ${DSK_BENCH_ARGS:---configs=32,64,4,3;64,32,4,3;64,64,4,2;128,64,8,3;128,32,8,2} \
     > "$OUT/deepseek_attention.txt" 2>&1 || rc=1
   tail -12 "$OUT/deepseek_attention.txt"
+fi
+if [[ " $steps " == *" deepseek_moe "* ]]; then
+  # the MoE grouped GEMM (triton_moe) and the paged kernels at this family's MHA shape: their CUDA
+  # tests (bf16 at the released shape, fp32, no host sync, graph replay == eager), then the layer
+  # bench (ours vs aten_moe vs transformers' loop and grouped_mm, 1/64/128/4096 tokens, bf16)
+  timeout ${MOE_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_moe.py \
+    tests/test_triton_paged_attention.py -k "cuda" > "$OUT/deepseek_moe_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/deepseek_moe_tests.txt"
+  timeout ${MOE_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.moe --device cuda --dtype bfloat16 \
+    --json-out "$OUT/bench_moe.json" ${MOE_BENCH_ARGS:-} > "$OUT/bench_moe.txt" 2>&1 || rc=1
+  tail -12 "$OUT/bench_moe.txt"
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

@@ -261,6 +261,11 @@ class TorchRunner(DeviceRunner):
         self.text_model.fused = bool(self.plan.fused_layers.value) and decoder_passes.usable(self.device)
         log.info("text decoder: %s attention, KV blocks of %d, %s layers", self.plan.text_attention.value,
                  self.plan.kv_block_size.value, "fused Triton" if self.text_model.fused else "ATen")
+        moe = self.plan.moe_experts
+        if moe.value is not None:       # a MoE decoder runs its routed experts through the plan's backend
+            self.text_model.moe_experts = self.kernels.get(ComponentKind.MOE_EXPERTS, moe.value)
+            log.info("text decoder: routed experts by %s (%s): %s", moe.value, moe.reason,
+                     self.text_model.moe_experts.what)
         self.text = TextStepRunner(self.text_model, self.kernels.get(ComponentKind.PAGED_DECODER_ATTENTION,
                                                                      self.plan.text_attention.value),
                                    block_size=self.plan.kv_block_size.value, device=self.device, dtype=self.dtype,

@@ -85,6 +85,7 @@ def test_interpreter_subprocess():
 
 @interp
 @pytest.mark.parametrize("hq,hkv,d,dtype,tol", [(16, 2, 128, torch.float32, 1e-5),     # the released shapes
+                                               (10, 10, 128, torch.float32, 1e-5),    # DeepSeek-OCR-2: MHA, groups of 1
                                                (4, 2, 32, torch.float16, 3e-3)])    # half precision (small: interpreter time)
 def test_interp_decode_matches_sdpa(hq, hkv, d, dtype, tol):
     got, want = _decode_case(hq, hkv, d, dtype)
@@ -138,11 +139,12 @@ def cuda():
         pytest.skip("needs a CUDA device and triton in compiled mode")
 
 
+@pytest.mark.parametrize("hq,hkv", [(16, 2), (10, 10)], ids=["gqa", "mha"])     # PaddleOCR-VL, DeepSeek-OCR-2
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3), (torch.float32, 1e-4)])
-def test_cuda_decode_and_prefill_match_sdpa(cuda, dtype, tol):
-    got, want = _decode_case(16, 2, 128, dtype, device="cuda", part_tokens=256)
+def test_cuda_decode_and_prefill_match_sdpa(cuda, dtype, tol, hq, hkv):
+    got, want = _decode_case(hq, hkv, 128, dtype, device="cuda", part_tokens=256)
     assert (got.float() - want).abs().max().item() <= tol
-    got, want = _prefill_case(16, 2, 128, dtype, device="cuda", block_m=64)
+    got, want = _prefill_case(hq, hkv, 128, dtype, device="cuda", block_m=64)
     assert (got.float() - want).abs().max().item() <= tol
 
 

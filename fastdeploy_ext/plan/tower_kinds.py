@@ -30,7 +30,8 @@ BUILTIN_TOWER: dict[ComponentKind, dict[str, tuple[bool, bool, str]]] = {
     ComponentKind.RELPOS_GLOBAL_ATTENTION: dict(_RELPOS),
     ComponentKind.PREFIX_CAUSAL_ATTENTION: {"triton_prefix_causal": (False, True, _TRITON_UNPROBED),
                                             "sdpa_mask": (True, True, "ATen SDPA with a boolean mask: every device")},
-    ComponentKind.MOE_EXPERTS: {"aten_moe": (True, False, "ATen matmuls: every device")},
+    ComponentKind.MOE_EXPERTS: {"triton_moe": (False, False, "Triton kernels need a CUDA device"),
+                                "aten_moe": (True, False, "ATen matmuls: every device")},
 }
 
 _WHAT = {ComponentKind.RELPOS_WINDOW_ATTENTION: ("windowed rel-pos attention", "relpos_window"),

@@ -9,12 +9,10 @@ are (no renormalisation, times ``routed_scaling_factor``), plus the shared exper
 Attention is the runner's paged attention (text_runner.PagedAttention: ``attend(layer, q, k,
 v)``); positions are [1, T] in prefill (position_rows 1) and [T] in decode.
 
-The routed experts are stacked ([E, 2I, H] gate|up, [E, H, I] down). Two ways to run them, both
-free of host syncs (the step loop has none): small batches (decode) run every expert on every
-token, weighted by the dense [T, E] combine matrix whose non-routed entries are zero; larger
-ones gather each token's k experts' weights and run one batched matmul per chunk of tokens, so
-the memory stays bounded. Correctness first: the fast grouped GEMMs are the MoE component's
-other kernels (to come).
+The routed experts are stacked ([E, 2I, H] gate|up, [E, H, I] down) and run by the plan's
+``moe_experts`` backend (ops/moe.py: the Triton grouped GEMM on CUDA, eager ATen elsewhere; the
+runner sets it on the decoder, ATen until then); every backend is free of host syncs (the step
+loop has none).
 """
 from __future__ import annotations
 
@@ -24,16 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...ops.moe import BUILTIN_MOE_BACKENDS, MoEExpertsBackend
 from .config import TextConfig
 from .vision import Projections, RMSNorm, SwiGLU
 
 log = logging.getLogger(__name__)
-
-#: at most this many tokens run every expert densely (cheaper than gathering weights there)
-DENSE_EXPERT_TOKENS = 8
-#: tokens per chunk of the gathered path ([chunk * k, 2I, H] weights live at once)
-GATHER_CHUNK = 64
-
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     pos = positions.reshape(-1).float()
@@ -48,6 +41,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
 
 
+#: the routed experts' backend of a decoder no runner has configured (portable, every device)
+ATEN_MOE = next(b for b in BUILTIN_MOE_BACKENDS if b.name == "aten_moe")
+
+
 class MoE(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
@@ -57,6 +54,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down = nn.Parameter(torch.zeros(e, h, i))
         self.shared_experts = SwiGLU(h, i * c.n_shared_experts)
+        self.backend: MoEExpertsBackend = ATEN_MOE            # the plan's choice, set by the runner
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k]) of each token."""
@@ -64,28 +62,9 @@ class MoE(nn.Module):
         w, idx = probs.topk(self.c.num_experts_per_tok, -1)
         return w * self.c.routed_scaling_factor, idx
 
-    def experts_dense(self, x, w, idx):
-        combine = torch.zeros(x.shape[0], self.c.n_routed_experts, device=x.device, dtype=torch.float32)
-        combine.scatter_(1, idx, w)
-        gu = torch.einsum("th,eih->eti", x, self.gate_up)              # [E, T, 2I]
-        g, u = gu.chunk(2, -1)
-        y = torch.einsum("eti,ehi->eth", F.silu(g) * u, self.down)    # [E, T, H]
-        return (y * combine.t()[..., None].to(y.dtype)).sum(0)
-
-    def experts_gathered(self, x, w, idx):
-        out = []
-        k = idx.shape[1]
-        for s in range(0, x.shape[0], GATHER_CHUNK):
-            xs, ids, ws = x[s:s + GATHER_CHUNK], idx[s:s + GATHER_CHUNK].reshape(-1), w[s:s + GATHER_CHUNK]
-            xr = xs.repeat_interleave(k, 0)[:, :, None]                 # [t*k, H, 1]
-            g, u = torch.bmm(self.gate_up[ids], xr)[..., 0].chunk(2, -1)
-            y = torch.bmm(self.down[ids], (F.silu(g) * u)[:, :, None])[..., 0]   # [t*k, H]
-            out.append((y.view(-1, k, y.shape[-1]) * ws[..., None].to(y.dtype)).sum(1))
-        return torch.cat(out)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.route(x)
-        routed = self.experts_dense(x, w, idx) if x.shape[0] <= DENSE_EXPERT_TOKENS else self.experts_gathered(x, w, idx)
+        routed = self.backend.experts(x, w, idx, self.gate_up, self.down)
         return routed.to(x.dtype) + self.shared_experts(x)
 
 
@@ -128,6 +107,17 @@ class DeepseekOCR2Decoder(nn.Module):
     def fused(self, on: bool) -> None:
         if on:
             log.info("deepseek_ocr2 decoder: no fused passes yet (the plan's fused layers do not apply): ATen layers")
+
+    @property
+    def moe_experts(self) -> MoEExpertsBackend:
+        return next((m.mlp.backend for m in self.layers if isinstance(m.mlp, MoE)), ATEN_MOE)
+
+    @moe_experts.setter
+    def moe_experts(self, backend: MoEExpertsBackend) -> None:
+        """Every MoE layer's routed experts through ``backend`` (the plan's moe_experts choice)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.backend = backend
 
     def embed(self, token_ids, image_embeds=None, image_index=None) -> torch.Tensor:
         x = self.embed_tokens(token_ids)

@@ -1,0 +1,224 @@
+"""`python3 -m fastdeploy_ext.bench.moe`: DeepSeek-OCR-2's MoE layer, ours vs the alternatives.
+
+One MoE layer of the decoder at its real shape (hidden 1280, 64 routed experts of width 896,
+top-6 softmax without renormalisation, 2 shared experts; random weights, the same in every
+column) for decode-sized (1, 64, 128 tokens) and prefill-sized (4096) batches:
+
+- ``ours``: the layer with the ``triton_moe`` backend (the grouped GEMM, ops/triton/grouped_moe.py);
+- ``aten_moe``: the same layer with the ATen experts (the fallback);
+- ``tf_loop``: transformers' DeepseekOcr2TextMoe with its default experts (a Python loop over the
+  experts that receive tokens; it reads the hit experts back to the host);
+- ``tf_grouped_mm``: the same module with ``experts_implementation="grouped_mm"`` where torch
+  has a grouped GEMM for the device.
+
+Each column times the whole layer (router, routed experts, shared experts) eagerly; ``ours`` and
+``aten_moe`` are also timed as one CUDA graph replay (the decode step runs in graphs; the
+transformers loop cannot be captured). Ratios are the other's time over ours (> 1: ours faster).
+Before timing, every column's output is compared with ours (cosine). On CUDA the grouping of
+rows by expert is also timed alone (graphed), torch ops vs the one-program kernel. Times are
+medians of CUDA event timings (host timer on the CPU). Nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ..device_api import device_api_for
+from .timing import cosine, median_ms
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden: int = 1280
+    experts: int = 64
+    width: int = 896
+    top_k: int = 6
+    shared: int = 2
+
+
+RELEASED = MoEShape()
+TINY = MoEShape(hidden=64, experts=8, width=32, top_k=3, shared=2)     # a CPU smoke run
+DEFAULT_TOKENS = (1, 64, 128, 4096)
+
+
+def build_layers(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """(our MoE layer, transformers' DeepseekOcr2TextMoe with the same weights or None, why not)."""
+    from ..models.deepseek_ocr2.config import TextConfig
+    from ..models.deepseek_ocr2.text import MoE
+    c = TextConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.width, n_routed_experts=shape.experts,
+                   num_experts_per_tok=shape.top_k, n_shared_experts=shape.shared)
+    torch.manual_seed(seed)
+    ours = MoE(c)
+    with torch.no_grad():
+        ours.gate.weight.normal_(0, shape.hidden ** -0.5)
+        ours.gate_up.normal_(0, shape.hidden ** -0.5)
+        ours.down.normal_(0, shape.width ** -0.5)
+        for lin in (ours.shared_experts.gate_proj, ours.shared_experts.up_proj):
+            lin.weight.normal_(0, shape.hidden ** -0.5)
+        ours.shared_experts.down_proj.weight.normal_(0, (shape.width * shape.shared) ** -0.5)
+    ours = ours.to(device, dtype)
+    ours.gate.float()                          # the loader keeps the router in fp32
+    try:
+        from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2TextConfig
+        from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2TextMoe
+    except Exception as e:  # noqa: BLE001 - any import failure: no transformers columns
+        return ours, None, f"transformers' DeepSeek-OCR-2 not importable ({type(e).__name__}: {e})"
+    tc = DeepseekOcr2TextConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.width,
+                                num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                                n_shared_experts=shape.shared, topk_method="greedy", routed_scaling_factor=1.0)
+    tc._experts_implementation = "eager"
+    ref = DeepseekOcr2TextMoe(tc)
+    with torch.no_grad():
+        ref.gate.weight.copy_(ours.gate.weight.float().cpu())
+        ref.experts.gate_up_proj.copy_(ours.gate_up.float().cpu())
+        ref.experts.down_proj.copy_(ours.down.float().cpu())
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ref.shared_experts, name).weight.copy_(getattr(ours.shared_experts, name).weight.float().cpu())
+    ref = ref.to(device, dtype)
+    ref.gate.float()
+    return ours, ref, ""
+
+
+def _graphed(fn, device: torch.device):
+    """fn captured in one CUDA graph (warmed up on a side stream first): its replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _grouping_times(moe, x, device, warmup: int, iters: int, api) -> dict[str, float]:
+    """The device-side grouping alone, graphed: torch ops vs the single-program kernel (which
+    align_by_expert picks up to ALIGN_KERNEL_MAX_ROWS rows)."""
+    from ..ops.triton.grouped_moe import align_by_expert, pick_blocks
+    _, idx = moe.route(x)
+    e = moe.gate_up.shape[0]
+    bm = pick_blocks(idx.numel(), e).block_m
+    return {f"group_{name}_graph": median_ms(_graphed(lambda kernel=kernel: align_by_expert(idx, e, bm, kernel=kernel),
+                                                      device), warmup, iters, api)
+            for name, kernel in (("torch", False), ("kernel", True))}
+
+
+def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, warmup: int, iters: int,
+        graphs: bool) -> list[dict]:
+    from ..ops.moe import BUILTIN_MOE_BACKENDS
+    backends = {b.name: b for b in BUILTIN_MOE_BACKENDS}
+    ours, ref, ref_why = build_layers(shape, dtype, device)
+    triton_ok, triton_why = backends["triton_moe"].available(device)
+    api = device_api_for(device)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, shape.hidden, generator=torch.Generator().manual_seed(t)).to(device, dtype)
+        cols: dict[str, object] = {}
+        notes: dict[str, str] = {}
+
+        def layer(backend):
+            def call():
+                ours.backend = backends[backend]
+                return ours(x)
+            return call
+
+        fns = {"aten_moe": layer("aten_moe")}
+        if triton_ok:
+            fns["ours"] = layer("triton_moe")
+        else:
+            notes["ours"] = triton_why
+        if ref is not None:
+            def tf(impl):
+                def call():
+                    ref.experts.config._experts_implementation = impl
+                    return ref(x[None])[0]
+                return call
+            fns["tf_loop"] = tf("eager")
+            fns["tf_grouped_mm"] = tf("grouped_mm")
+        else:
+            notes["tf_loop"] = notes["tf_grouped_mm"] = ref_why
+        base_name = "ours" if "ours" in fns else "aten_moe"
+        with torch.inference_mode():
+            base = fns[base_name]()
+            for name, fn in list(fns.items()):
+                try:
+                    cols[f"cos_{name}"] = round(cosine(fn(), base), 6)
+                except Exception as e:  # noqa: BLE001 - a column that cannot run here is reported, not fatal
+                    notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    del fns[name]
+            for name, fn in fns.items():
+                cols[name] = median_ms(fn, warmup, iters, api)
+            if graphs and device.type == "cuda":
+                for name in ("ours", "aten_moe"):
+                    if name in fns:
+                        cols[f"{name}_graph"] = median_ms(_graphed(fns[name], device), warmup, iters, api)
+            if triton_ok and graphs and device.type == "cuda":
+                cols.update(_grouping_times(ours, x, device, warmup, iters, api))
+        ours.backend = backends["aten_moe"]
+        ref_time = cols.get("ours")
+        ratios = {f"{k}/ours": cols[k] / ref_time for k in ("aten_moe", "tf_loop", "tf_grouped_mm")
+                  if ref_time and k in cols}
+        if "ours_graph" in cols and "aten_moe_graph" in cols:
+            ratios["aten_moe_graph/ours_graph"] = cols["aten_moe_graph"] / cols["ours_graph"]
+        rows.append({"tokens": t, "base": base_name, **cols, **ratios, "notes": notes})
+    return rows
+
+
+def _fmt(v) -> str:
+    return f"{v:8.3f}" if isinstance(v, float) else f"{'n/a':>8}"
+
+
+def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: torch.device) -> None:
+    print(f"MoE layer: {device.type} {str(dtype).removeprefix('torch.')}, hidden {shape.hidden}, {shape.experts} "
+          f"experts x {shape.width}, top-{shape.top_k}, {shape.shared} shared (ms, median; ratio = other / ours)")
+    cols = ("ours", "aten_moe", "tf_loop", "tf_grouped_mm", "ours_graph", "aten_moe_graph")
+    ratios = ("aten_moe/ours", "tf_loop/ours", "tf_grouped_mm/ours", "aten_moe_graph/ours_graph")
+    print(f"{'tokens':>6} " + " ".join(f"{c:>14}" for c in cols) + " | " + " ".join(f"{r:>25}" for r in ratios))
+    for r in rows:
+        print(f"{r['tokens']:>6} " + " ".join(f"{_fmt(r.get(c)):>14}" for c in cols) + " | "
+              + " ".join(f"{_fmt(r.get(x)):>25}" for x in ratios))
+    if any("group_torch_graph" in r for r in rows):
+        print("grouping rows by expert alone (graphed, ms): torch ops vs the one-program kernel")
+        for r in rows:
+            print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
+    for r in rows:
+        cos = ", ".join(f"{k[4:]} {v:.5f}" for k, v in r.items() if k.startswith("cos_"))
+        print(f"  tokens {r['tokens']}: cosine vs {r['base']}: {cos}" + "".join(
+            f"; {k} n/a: {why}" for k, why in r["notes"].items()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m fastdeploy_ext.bench.moe", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma list of batch sizes (tokens)")
+    p.add_argument("--shape", default="released", choices=("released", "tiny"))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph columns")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--tokens must be a comma list of ints, got {a.tokens!r}")
+    if not tokens or min(tokens) < 1:
+        p.error(f"--tokens must list positive token counts, got {a.tokens!r}")
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
+    shape = RELEASED if a.shape == "released" else TINY
+    rows = run(shape, tokens, dtype, device, warmup=a.warmup, iters=a.iters, graphs=not a.no_graphs)
+    print_table(rows, shape, dtype, device)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"shape": shape.__dict__, "dtype": a.dtype, "device": str(device), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
