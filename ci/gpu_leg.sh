@@ -27,7 +27,11 @@
 #                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
 #   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek]...
+#   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
+#                (on CUDA: replay == eager bitwise per path, fp32 and bf16, zero syncs) and `bench vision
+#                --model-family deepseek_ocr2` bf16 at the released size, eager vs graphed, vs transformers
+#                (DSG_VARIANTS, DSG_WORKLOADS narrow it)
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_graphs]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -96,6 +100,17 @@ if [[ " $steps " == *" deepseek "* ]]; then
       > "$OUT/deepseek_conformance_$b.txt" 2>&1 || rc=1
     tail -3 "$OUT/deepseek_conformance_$b.txt"
   done
+fi
+if [[ " $steps " == *" deepseek_graphs "* ]]; then
+  timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \
+    > "$OUT/deepseek_graphs_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/deepseek_graphs_tests.txt"
+  # random weights at the released size: transformers has its own random init (speed compares, outputs do not)
+  timeout ${DSG_BENCH_TIMEOUT:-330} $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --dtype bfloat16 --variants ${DSG_VARIANTS:-strided/host/eager,strided/host/graph} \
+    --workloads ${DSG_WORKLOADS:-nocrop,page6,nocrop16,page6x16} --iters 5 \
+    --json-out "$OUT/bench_vision_deepseek_graphs.json" > "$OUT/bench_vision_deepseek_graphs.txt" 2>&1 || rc=1
+  grep -E "^== |^\s+(nocrop|page6)|Traceback|Error" "$OUT/bench_vision_deepseek_graphs.txt" | tail -14
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

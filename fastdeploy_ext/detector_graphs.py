@@ -13,10 +13,9 @@ replay against the eager forward on the same padded buffer bitwise.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -124,23 +123,14 @@ class DetectorGraphs:
         self.stats = DetectorGraphStats()
 
     def capture(self) -> GraphReport:
-        t0 = time.perf_counter()
-        api = self.api
-        gc.collect()
-        api.synchronize()
-        api.empty_cache()
-        before = api.reserved_bytes()
-        pool, stream = api.graph_pool(), api.new_stream()
+        from .graphs import capture_graphs
         from .ops.precision import fp32_convolutions
         # captured under the eager path's precision (an fp32 plan: no TF32 convolutions)
         with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
-            for b in sorted(self.buckets, reverse=True):    # largest first: smaller ones reuse its pool blocks
-                g = _BucketGraph(self.model, b, self.image_size, device=self.device, dtype=self.dtype)
-                g.capture(api, pool, stream)
-                self.graphs[b] = g
-        api.synchronize()
-        api.empty_cache()
-        mem, dt = api.reserved_bytes() - before, time.perf_counter() - t0
+            # largest first: smaller ones reuse its pool blocks
+            self.graphs, dt, mem = capture_graphs(self.api, {
+                b: partial(_BucketGraph, self.model, b, self.image_size, device=self.device, dtype=self.dtype)
+                for b in sorted(self.buckets, reverse=True)})
         report = GraphReport(captured=len(self.graphs), paths={"detector": list(self.buckets)}, capture_seconds=dt,
                              graph_memory_bytes=mem)
         log.info("detector graphs: %d batch-size buckets %s at %dx%d captured in %.1fs, %.1f MiB", report.captured,
