@@ -7,7 +7,8 @@
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
 #   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
 #   inter-token gaps of running requests, with mixed steps off and on; deepseek: bench vision and
-#   bench generate on DeepSeek-OCR-2 at the released size, dummy weights on both sides, eager ATen)
+#   bench generate on DeepSeek-OCR-2 at the released size, dummy weights on both sides, eager ATen;
+#   its graphed variants: ci/gpu_leg.sh deepseek_graphs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -78,7 +79,7 @@ if [[ $steps == *" deepseek "* ]]; then
   # random init, so speed compares and outputs do not (docs/PERFORMANCE.md, DeepSeek-OCR-2)
   echo "### deepseek_ocr2 bench vision" >> "$log"
   timeout 240 $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
-    --workloads nocrop,page6,nocrop16,page6x16 --iters 5 --json-out "$OUT/bench_vision_deepseek.json" >> "$log" 2>&1
+    --variants strided/host/eager,dense/host/eager --workloads nocrop,page6,nocrop16,page6x16 --iters 5 --json-out "$OUT/bench_vision_deepseek.json" >> "$log" 2>&1
   echo "### deepseek_ocr2 bench generate" >> "$log"
   timeout 300 $FDX bench generate --load-format dummy --model-family deepseek_ocr2 --device cuda \
     --workloads page1,pages64 --pages 16 --page-tokens 256 --page1-tokens 128 --ref-batch 4 \

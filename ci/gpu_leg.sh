@@ -32,7 +32,9 @@
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
 #   deepseek_kernels (not in "all")  DeepSeek-OCR-2's Triton attention kernels: tests/test_deepseek_attention_kernels.py
 #                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe]...
+#   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
+#                on CUDA (replay == eager bitwise per path) and bench vision eager vs graphed
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_graphs]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -124,6 +126,17 @@ if [[ " $steps " == *" deepseek_moe "* ]]; then
   timeout ${MOE_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.moe --device cuda --dtype bfloat16 \
     --json-out "$OUT/bench_moe.json" ${MOE_BENCH_ARGS:-} > "$OUT/bench_moe.txt" 2>&1 || rc=1
   tail -12 "$OUT/bench_moe.txt"
+fi
+if [[ " $steps " == *" deepseek_graphs "* ]]; then
+  timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \
+    > "$OUT/deepseek_graphs_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/deepseek_graphs_tests.txt"
+  # random weights at the released size: transformers has its own random init (speed compares, outputs do not)
+  timeout ${DSG_BENCH_TIMEOUT:-330} $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --dtype bfloat16 --variants ${DSG_VARIANTS:-strided/host/eager,strided/host/graph} \
+    --workloads ${DSG_WORKLOADS:-nocrop,page6,nocrop16,page6x16} --iters 5 \
+    --json-out "$OUT/bench_vision_deepseek_graphs.json" > "$OUT/bench_vision_deepseek_graphs.txt" 2>&1 || rc=1
+  grep -E "^== |^\s+(nocrop|page6)|Traceback|Error" "$OUT/bench_vision_deepseek_graphs.txt" | tail -14
 fi
 if [[ " $steps " == *" harden "* ]]; then
   timeout ${FAULT_TIMEOUT:-200} python3 ci/engine_fault_check.py --device cuda --json-out "$OUT/engine_fault_check.json" \

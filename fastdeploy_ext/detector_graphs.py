@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -122,18 +123,14 @@ class DetectorGraphs:
         self.stats = DetectorGraphStats()
 
     def capture(self) -> GraphReport:
-        from .graph_capture import measured_capture
+        from .graphs import capture_graphs
         from .ops.precision import fp32_convolutions
-
-        def capture_buckets(pool, stream):
-            # captured under the eager path's precision (an fp32 plan: no TF32 convolutions)
-            with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
-                for b in sorted(self.buckets, reverse=True):    # largest first: smaller ones reuse its pool blocks
-                    g = _BucketGraph(self.model, b, self.image_size, device=self.device, dtype=self.dtype)
-                    g.capture(self.api, pool, stream)
-                    self.graphs[b] = g
-        cost = measured_capture(self.api, capture_buckets)
-        mem, dt = cost.memory_bytes, cost.seconds
+        # captured under the eager path's precision (an fp32 plan: no TF32 convolutions)
+        with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
+            # largest first: smaller ones reuse its pool blocks
+            self.graphs, dt, mem = capture_graphs(self.api, {
+                b: partial(_BucketGraph, self.model, b, self.image_size, device=self.device, dtype=self.dtype)
+                for b in sorted(self.buckets, reverse=True)})
         report = GraphReport(captured=len(self.graphs), paths={"detector": list(self.buckets)}, capture_seconds=dt,
                              graph_memory_bytes=mem)
         log.info("detector graphs: %d batch-size buckets %s at %dx%d captured in %.1fs, %.1f MiB", report.captured,

@@ -91,8 +91,7 @@ class TorchRunner(DeviceRunner):
         if not self.plan.graphs.value:
             return GraphReport(captured=0, reason=self.plan.graphs.reason)
         self._require_model()
-        from .graphs import EncoderGraphs
-        self.graphs = EncoderGraphs(self, self.plan.graphs.value, self.plan.graph_split_oversize)
+        self.graphs = self.family.encoder_graphs(self, self.plan.graphs.value)
         return self.graphs.capture()
 
     # ------------------------------------------------------------ construction

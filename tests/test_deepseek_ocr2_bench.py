@@ -45,9 +45,10 @@ def test_bench_vision_ours_vs_transformers_same_weights(model_dir, tmp_path):
 
 def test_bench_vision_refuses_a_variant_the_family_lacks(model_dir):
     r = cli("bench", "vision", "--model", str(model_dir), "--device", "cpu", "--workloads", "nocrop",
-            "--variants", "strided/host/graph", "--no-reference")
+            "--variants", "strided/host/graph+fused", "--no-reference")
     assert r.returncode != 0
-    assert "deepseek_ocr2 has the variants strided/host/eager, dense/host/eager only" in r.stderr + r.stdout
+    assert ("deepseek_ocr2 has the variants strided/host/eager, dense/host/eager, strided/host/graph, "
+            "dense/host/graph only") in r.stderr + r.stdout
 
 
 def test_bench_generate_ours_vs_transformers_same_tokens(model_dir, tmp_path):

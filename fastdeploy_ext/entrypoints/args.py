@@ -149,7 +149,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
                         '(decode batch sizes); encoder graphs: "use_encoder_cudagraph", "encoder_graph_paths", '
                         '"encoder_split_oversize_batches"; e.g. \'{"use_cudagraph": true, "cudagraph_capture_sizes": '
                         '[1, 8, 64], "use_encoder_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
-                        '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'')
+                        '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'; DeepSeek-OCR-2 '
+                        'takes view budgets per path: [{"name": "global", "budgets": [1, 2, 4, 8, 16]}, {"name": '
+                        '"local", "budgets": [2, 4, 8, 16, 32, 48, 96]}]')
     return g
 
 

@@ -196,6 +196,13 @@ class ModelFamily(Family):
         """Static buffers for an encoder graph captured at a budget of ``tokens`` input patches:
         what a budget means for this family (e.g. how many output rows it yields)."""
 
+    def encoder_graphs(self, runner: Any, paths: tuple) -> Any:
+        """The runner's encoder graphs for the plan's ``paths`` (``capture() -> GraphReport``,
+        ``run(pixels, grids)`` -> the eager forward's rows, ``stats``): by default graphs.py's
+        budgets over packed patches, through graph_buffers."""
+        from ..graphs import EncoderGraphs
+        return EncoderGraphs(runner, paths, runner.plan.graph_split_oversize)
+
     @abstractmethod
     def image_token_id(self, cfg: Any) -> int:
         """The placeholder token whose rows the image embeddings replace."""

@@ -12,9 +12,9 @@ and resolve.py (the model's components drive which resolvers run).
 """
 from .choice import KernelChoice, KindContext
 from .decisions import (DETECTOR_GRAPH_KIND, resolve_decode_graphs, resolve_detector_graphs, resolve_detector_masks,
-                        resolve_dtype, resolve_encoder_graphs, resolve_fused_layers, resolve_grid_source,
+                        resolve_dtype, resolve_encoder_graphs, resolve_fused_layers, resolve_grid_source, resolve_view_graphs,
                         resolve_qkv_layout)
-from .graph_config import DEFAULT_CAPTURE_SIZES, DEFAULT_DETECTOR_CAPTURE_SIZES, DEFAULT_GRAPH_PATHS, EncoderGraphPath, GraphOptimizationConfig
+from .graph_config import DEFAULT_CAPTURE_SIZES, DEFAULT_DETECTOR_CAPTURE_SIZES, DEFAULT_GRAPH_PATHS, DEFAULT_VIEW_GRAPH_PATHS, EncoderGraphPath, GraphOptimizationConfig, ViewGraphPath
 from .kinds import (AUTO, DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, Component, ComponentKind, Decision, GridSource,
                     PlanError, QkvLayout, Switch, component_of, components_by_kind, requested)
 from .paged_attention import resolve_paged_attention
@@ -31,11 +31,11 @@ __all__ = [
     "AUTO", "BUILTIN_DENSE", "BUILTIN_DEFORMABLE", "DEFAULT_DETECTOR_CAPTURE_SIZES", "DETECTOR_GRAPH_KIND",
     "DeformableAttentionEntry", "DenseAttentionEntry", "resolve_dense_attention", "resolve_deformable_attention",
     "resolve_detector_graphs", "resolve_detector_masks", "DTYPES", "GRID_SOURCES", "QKV_LAYOUTS", "SWITCHES", "AttentionEntry", "CapabilityRow", "Component",
-    "ComponentKind", "DEFAULT_CAPTURE_SIZES", "DEFAULT_GRAPH_PATHS", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_TEXT_ATTENTION",
+    "ComponentKind", "DEFAULT_CAPTURE_SIZES", "DEFAULT_GRAPH_PATHS", "DEFAULT_VIEW_GRAPH_PATHS", "ViewGraphPath", "DEFAULT_KV_BLOCK_SIZE", "DEFAULT_TEXT_ATTENTION",
     "Decision", "ENTRY_PARSERS", "EncoderGraphPath", "GraphOptimizationConfig", "GridSource", "KIND_RESOLVERS",
     "KernelChoice", "KernelEntry", "KernelFacts", "KindContext", "LEGACY_KEYS", "PlanError", "PlanRequest",
     "QkvLayout", "RunPlan", "Switch", "TextAttentionEntry", "VisionKernels", "component_of", "components_by_kind",
     "load_table", "normalize_kernels", "requested", "resolve_decode_graphs", "resolve_dtype",
-    "resolve_encoder_graphs", "resolve_for_components", "resolve_fused_layers", "resolve_grid_source",
+    "resolve_encoder_graphs", "resolve_view_graphs", "resolve_for_components", "resolve_fused_layers", "resolve_grid_source",
     "resolve_paged_attention", "resolve_plan", "resolve_qkv_layout", "resolve_vision_attention",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from .choice import KernelChoice
-from .graph_config import GraphOptimizationConfig
+from .graph_config import DEFAULT_GRAPH_PATHS, DEFAULT_VIEW_GRAPH_PATHS, GraphOptimizationConfig, ViewGraphPath
 from .kinds import AUTO, Decision, GridSource, PlanError, QkvLayout, Switch, requested
 from .table import CapabilityRow, KernelFacts
 from .vision_attention import VisionKernels
@@ -78,8 +78,49 @@ def resolve_encoder_graphs(vk: VisionKernels, chosen: KernelChoice | None, grid:
         if gc.use_encoder_cudagraph:
             raise PlanError("encoder graphs need host grid_thw metadata (metadata is prepared outside the graph)")
         return Decision((), "graphs need host metadata")
+    if any(isinstance(p, ViewGraphPath) for p in gc.encoder_graph_paths):
+        raise PlanError("encoder_graph_paths: this model's encoder graphs take budgets of patches ({name, min_tokens, "
+                        "max_tokens, max_image_tokens, max_segments}), not of views ({name, budgets})")
     return Decision(tuple(gc.encoder_graph_paths),
                     "requested" if gc.use_encoder_cudagraph else f"on by default on row {row.name}")
+
+
+def resolve_view_graphs(row: CapabilityRow, tower: Mapping[str, str], grid: Decision, gc: GraphOptimizationConfig,
+                        path_names: tuple[str, ...] = tuple(p.name for p in DEFAULT_VIEW_GRAPH_PATHS)) -> Decision:
+    """Encoder graphs of a tower over fixed-size views (DeepSeek-OCR-2's: a `global` and a `local`
+    path, budgets over view counts): on where the row captures encoder graphs by default (the
+    CUDA rows), ``use_encoder_cudagraph`` forces them on (a PlanError naming the row where it
+    cannot) or off. ``tower``: component kind -> the backend chosen (every launch takes its shape
+    from the view count alone, so a padded budget replays; they go in the reason). The paths
+    are ``encoder_graph_paths`` in the {name, budgets} form, each name one of ``path_names``;
+    not given: DEFAULT_VIEW_GRAPH_PATHS."""
+    forced = gc.use_encoder_cudagraph
+    if forced and "encoder" not in row.graph_kinds:
+        raise PlanError(f"row {row.name} supports no encoder graph capture (graph kinds: {list(row.graph_kinds) or 'none'})")
+    paths = gc.encoder_graph_paths
+    if paths == DEFAULT_GRAPH_PATHS:
+        paths = DEFAULT_VIEW_GRAPH_PATHS
+    elif not all(isinstance(p, ViewGraphPath) for p in paths):
+        raise PlanError("encoder_graph_paths: this model's encoder graphs take budgets of views per path ({name, "
+                        f"budgets}} with name in {list(path_names)}), not of patches")
+    unknown = [p.name for p in paths if p.name not in path_names]
+    if unknown:
+        raise PlanError(f"encoder_graph_paths: unknown path {unknown}; this model's paths are {list(path_names)}")
+    if forced is False:
+        return Decision((), "use_encoder_cudagraph=false")
+    if forced is None and "encoder" not in row.graph_kinds:
+        return Decision((), f"row {row.name} captures no encoder graphs (graph kinds: "
+                            f"{list(row.graph_kinds) or 'none'}): the tower runs eager")
+    if forced is None and not row.graphs_default:
+        return Decision((), f"off by default on row {row.name} (opt in: use_encoder_cudagraph=true)")
+    if grid.value is not GridSource.HOST:
+        if forced:
+            raise PlanError("encoder graphs need host grid_thw metadata (the views are split by path on the host)")
+        return Decision((), "graphs need host metadata")
+    kernels = ", ".join(f"{k} {v}" for k, v in tower.items())
+    why = "requested" if forced else f"on by default on row {row.name}"
+    return Decision(tuple(paths), f"{why}: per path padded to its smallest budget of views ({kernels} launch "
+                                  "with shapes fixed by the view count)")
 
 
 def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text: KernelChoice | None) -> Decision:

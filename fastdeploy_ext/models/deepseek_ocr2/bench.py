@@ -28,8 +28,10 @@ VISION_WORKLOADS: dict[str, list[tuple[int, int]]] = {      # (width, height) pe
     "page6x16": [(1000, 1600)] * 16,
 }
 DEFAULT_VISION_WORKLOADS = ("nocrop", "page6", "nocrop16", "page6x16")
-# the plan variants this family has: SAM's qkv layout (no encoder graphs or fused layers yet)
-VISION_VARIANTS = {"strided/host/eager": "strided", "dense/host/eager": "dense"}
+# the plan variants this family has: SAM's qkv layout x the dual-path encoder graphs on/off (the
+# graph variants need a row that captures encoder graphs: CUDA; no fused layers yet)
+VISION_VARIANTS = {"strided/host/eager": ("strided", False), "dense/host/eager": ("dense", False),
+                   "strided/host/graph": ("strided", True), "dense/host/graph": ("dense", True)}
 
 
 def random_image(w: int, h: int, seed: int):
@@ -74,24 +76,30 @@ def run_vision_bench(source, base, opts) -> int:
     names = list(VISION_VARIANTS) if opts.variants == "all" else [n.strip() for n in opts.variants.split(",")]
     bad = [n for n in names if n not in VISION_VARIANTS]
     if bad:
-        raise BenchError(f"deepseek_ocr2 has the variants {', '.join(VISION_VARIANTS)} only (no encoder graphs "
-                         f"or fused layers yet); got {bad}")
+        raise BenchError(f"deepseek_ocr2 has the variants {', '.join(VISION_VARIANTS)} only (no fused layers "
+                         f"yet); got {bad}")
     cls, probe, _ = choose_device(base.device)
     images = {w: [random_image(x, y, 100 + i) for i, (x, y) in enumerate(VISION_WORKLOADS[w])] for w in workloads}
     results, ref_out, ref_ms, timer = [], {}, {}, None
     for name in names:
+        qkv, graphs = VISION_VARIANTS[name]
         try:
-            runner = cls.create(replace(base, qkv_layout=VISION_VARIANTS[name] if base.qkv_layout == "auto"
-                                        else base.qkv_layout, grid_thw="host"), probe=probe)
+            runner = cls.create(replace(base, qkv_layout=qkv if base.qkv_layout == "auto" else base.qkv_layout,
+                                        grid_thw="host",
+                                        graph_config=replace(base.graph_config, use_encoder_cudagraph=graphs)),
+                                probe=probe)
         except PlanError as e:
             print(f"variant {name}: skipped on this device: {e}")
             continue
         source.load_into(runner)
+        report = runner.capture_graphs()
         api, plan = runner.device_api, runner.plan
         timer = timer or Timer(api, opts.warmup, opts.iters)
         print(f"\n== {name}: qkv={plan.qkv_layout.value} window={plan.relpos_window_attention.value} "
               f"global={plan.relpos_global_attention.value} encoder={plan.prefix_causal_attention.value} "
-              f"dtype={runner.dtype} row={plan.row}{' [EMULATED]' if plan.emulated else ''}")
+              f"dtype={runner.dtype} row={plan.row}{' [EMULATED]' if plan.emulated else ''} graphs="
+              + (f"{report.captured} ({runner.graphs.describe()}; {report.capture_seconds:.1f}s, "
+                 f"{report.graph_memory_bytes / 2**20:.0f} MiB)" if report.captured else f"off ({report.reason})"))
         if opts.reference and not ref_ms:
             ref = reference_model(source.model_dir if source.load_format != "dummy" else None, runner.device,
                                   runner.dtype)
@@ -125,6 +133,9 @@ def run_vision_bench(source, base, opts) -> int:
             row = {"workload": w, "variant": name, "ms": ms, "peak_gib": peak, "cosine_vs_ref": cos,
                    "speedup_vs_ref": ref_ms[w] / ms if w in ref_ms else None, "rows": out.shape[0],
                    "device": plan.device, "row": plan.row, "emulated": plan.emulated}
+            if runner.graphs is not None:       # per path: replays per budget, views run eager
+                row["graph_stats"] = {n: {"per_budget": dict(st.per_budget), "eager_views": st.eager_views}
+                                      for n, st in runner.graphs.stats.items()}
             results.append(row)
             sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
             print(f"  {w:<10} {ms:9.2f} ms  {sp}  rows {out.shape[0]}" + (f"  cos {cos:.6f}" if cos is not None else ""))

@@ -8,7 +8,8 @@ The plan chooses a kernel per component (components()): SAM's windowed and globa
 the decomposed relative-position bias, the Qwen2 encoder's prefix-causal attention, the decoder's
 paged attention and the MoE's routed experts. Every row lists ATen backends for the tower and the
 MoE for now (SDPA with a bias / a mask, text.py's eager experts); SAM's q/k/v are views of its
-fused projection where the chosen kernel reads strides (the plan's qkv_layout).
+fused projection where the chosen kernel reads strides (the plan's qkv_layout). The tower's
+encoder graphs are two paths of view budgets (encoder_graphs.py), on by default on the CUDA rows.
 """
 from __future__ import annotations
 
@@ -145,7 +146,13 @@ class DeepseekOCR2Family(ModelFamily):
         return cfg.text.vocab_size
 
     def graph_buffers(self, cfg, tokens, attention_state, *, device, dtype):
-        raise NotImplementedError("deepseek_ocr2: encoder graphs are not built yet (the vision tower runs eagerly)")
+        raise NotImplementedError("deepseek_ocr2: encoder graphs are budgets of views per path (encoder_graphs), "
+                                  "not of packed patches")
+
+    def encoder_graphs(self, runner, paths):
+        """The dual-path graphs: the global views and the crops, each path its own budgets."""
+        from .encoder_graphs import DeepseekEncoderGraphs
+        return DeepseekEncoderGraphs(runner, paths)
 
     def image_token_id(self, cfg: DeepseekOCR2Config) -> int:
         return cfg.image_token_id

@@ -327,19 +327,30 @@ class DeepseekOCR2Vision(nn.Module):
         q = self.query_1024.weight if is_global else self.query_768.weight
         return self.projector(self.encoder(self.sam(patches, views, ex), q, ex))
 
-    def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution | None = None):
+    def split_views(self, pixel_values: torch.Tensor, meta: VisionMetadata
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The packed batch's global views and crops, each a [patches, C*P*P] view of it (no
+        copy), in image order: the inputs of the two paths."""
         x = pixel_values.reshape(pixel_values.shape[0], -1).to(self.projector.weight.dtype)
         parts = x.split(meta.view_sizes)
-        glob = [p for p, g in zip(parts, meta.view_is_global) if g]
-        crops = [p for p, g in zip(parts, meta.view_is_global) if not g]
-        ex = ex or DEFAULT_EXECUTION
-        g_rows = self.encode_views(torch.cat(glob), len(glob), True, ex)
-        c_rows = self.encode_views(torch.cat(crops), len(crops), False, ex) if crops else None
+        return ([p for p, g in zip(parts, meta.view_is_global) if g],
+                [p for p, g in zip(parts, meta.view_is_global) if not g])
+
+    def assemble(self, g_rows: torch.Tensor, c_rows: torch.Tensor | None, crops: list[int]) -> torch.Tensor:
+        """Per image its crops' rows, its global view's, the view separator: [rows, text width]
+        from the paths' outputs ([views, queries, text width] each, images in order)."""
         sep = self.view_separator.to(g_rows.dtype)[None]
         out, c0 = [], 0
-        for i, n in enumerate(meta.crops):
+        for i, n in enumerate(crops):
             if n:
                 out.append(c_rows[c0:c0 + n].reshape(-1, g_rows.shape[-1]))
                 c0 += n
             out += [g_rows[i], sep]
         return torch.cat(out)
+
+    def forward(self, pixel_values: torch.Tensor, meta: VisionMetadata, ex: VisionExecution | None = None):
+        glob, crops = self.split_views(pixel_values, meta)
+        ex = ex or DEFAULT_EXECUTION
+        g_rows = self.encode_views(torch.cat(glob), len(glob), True, ex)
+        c_rows = self.encode_views(torch.cat(crops), len(crops), False, ex) if crops else None
+        return self.assemble(g_rows, c_rows, meta.crops)
