@@ -4,6 +4,7 @@
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
 #   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill] [deepseek]
+#   [parse]
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
 #   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
 #   inter-token gaps of running requests, with mixed steps off and on; deepseek: bench vision and
@@ -109,5 +110,16 @@ for wl, r in rep["workloads"].items():
     if "ratios_b_over_a" in r:
         print(f"serve {wl} ours_b/ours: " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratios_b_over_a"].items()))
 PY
+fi
+# parse: document parsing through the job API (8 concurrent jobs of 250 synthetic pages, the
+# server's --max-running-jobs 4 running them, timed by the server's clock) against the in-process
+# bench parse on the same 2000 pages, run first in its own process; random weights, planted mix,
+# each block decoding its kind's planted length on both sides. The server's engine does not keep
+# the layout model's memory out of its KV pool (bench parse's does): 0.8 leaves it room
+if [[ $steps == *" parse "* ]]; then
+  echo "### bench serve --workloads parse" >> "$log"
+  timeout ${PARSE_TIMEOUT:-590} $FDX bench serve --workloads parse --load-format dummy --device cuda --dtype bfloat16 \
+    ${PARSE_ARGS:---parse-jobs 8 --parse-pages 250} --parse-args "${PARSE_PIPELINE_ARGS:---gpu-memory-utilization 0.8}" \
+    --startup-timeout 300 --json-out "$OUT/bench_serve_parse.json" >> "$log" 2>&1
 fi
 grep -vE "^\s*$" "$log" | tail -120

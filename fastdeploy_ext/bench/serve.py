@@ -21,6 +21,11 @@ client-side guess would mislabel gaps (``bench generate --itl`` measures those i
 ``--compare-server-args ARGS`` runs our server a second time with ARGS added (e.g. mixed steps
 off, then on) and reports that side as ``ours_b`` with the ratios b / a.
 
+- parse: document parsing through the job API (bench/serve_parse.py): ``--parse-jobs`` documents
+  of ``--parse-pages`` synthetic pages posted at ``--parse-concurrency``, pages/s from the jobs'
+  server-side timestamps, against the in-process `bench parse` figure on the same pages in the
+  same run (one after the other: never both on the device at once). It runs alone.
+
 ``--base-url URL`` measures a server that is already running (ours or any OpenAI-compatible
 one, e.g. vLLM's) with the same workloads instead of starting ours; ``--reference-url URL``
 adds a second running server as the reference side. The model name sent is ``--model-name`` or
@@ -48,7 +53,8 @@ from . import BenchError
 
 log = logging.getLogger(__name__)
 
-WORKLOADS = ("single", "4x8", "c32")
+CHAT_WORKLOADS = ("single", "4x8", "c32")
+WORKLOADS = CHAT_WORKLOADS + ("parse",)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class ServeBenchOptions:
     reference_url: str | None = None     # a running reference server (with base_url)
     model_name: str | None = None        # `model` of the requests (running servers; default: /v1/models)
     compare_server_args: tuple[str, ...] | None = None   # a second run of ours with these flags added
+    parse: object | None = None          # serve_parse.ParseWorkload (the parse workload)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--server-args", default="", help='more flags for our server, one string, e.g. '
                    '"--max-num-seqs 64 --gpu-memory-utilization 0.8"')
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", "--workload", default=",".join(CHAT_WORKLOADS),
+                   help=f"comma list of {', '.join(WORKLOADS)} (default: the chat ones; parse runs alone)")
     p.add_argument("--output-tokens", type=int, default=512, help="new tokens per request (ignore_eos)")
     p.add_argument("--single-requests", type=int, default=3)
     p.add_argument("--c32-requests", type=int, default=64)
@@ -102,12 +110,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that side (ours_b) beside the first with ratios b/a")
     p.add_argument("--model-name", default=None,
                    help="`model` sent to a running server (default: the first id of its GET /v1/models)")
+    from .serve_parse import add_arguments as add_parse_arguments
+    add_parse_arguments(p)
 
 
 def options_from_args(ns) -> ServeBenchOptions:
     wl = tuple(w for w in ns.workloads.split(",") if w)
     if set(wl) - set(WORKLOADS):
         raise BenchError(f"unknown workload(s) {sorted(set(wl) - set(WORKLOADS))}; choose from {', '.join(WORKLOADS)}")
+    parse = None
+    if "parse" in wl:
+        from .serve_parse import workload_from_args
+        if wl != ("parse",):
+            raise BenchError("--workloads parse runs alone (its server has --jobs-dir and its reference is the "
+                             "in-process bench parse); measure the chat workloads in another run")
+        if ns.base_url:
+            raise BenchError("--workloads parse starts our server (it times the jobs by the server's clock); "
+                             "it cannot be used with --base-url")
+        parse = workload_from_args(ns)
     try:
         w, h = (int(x) for x in ns.image_size.lower().split("x"))
     except ValueError:
@@ -138,7 +158,8 @@ def options_from_args(ns) -> ServeBenchOptions:
                              startup_timeout=ns.startup_timeout, base_url=ns.base_url and ns.base_url.rstrip("/"),
                              reference_url=ns.reference_url and ns.reference_url.rstrip("/"),
                              model_name=ns.model_name,
-                             compare_server_args=None if compare is None else tuple(shlex.split(compare)))
+                             compare_server_args=None if compare is None else tuple(shlex.split(compare)),
+                             parse=parse)
 
 
 # ------------------------------------------------------------------ servers
@@ -370,6 +391,9 @@ async def run_workload(url: str, name: str, pages: list[bytes], o: ServeBenchOpt
 def run_serve_bench(o: ServeBenchOptions, log_dir: str = ".") -> dict:
     import dataclasses
     import shutil
+    if o.parse is not None:
+        from .serve_parse import run_parse_bench
+        return run_parse_bench(o, log_dir)
     if o.reference and o.model is None:
         tmp = write_random_model_dir()
         try:
@@ -458,6 +482,10 @@ def _with_speedups(report: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
+    if report.get("workload") == "parse":
+        from .serve_parse import print_parse_report
+        print_parse_report(report)
+        return
     where = (f"server {report['base_url']}" if report.get("base_url") else
              f"device {report['device']} dtype {report['dtype']}")
     print(f"bench serve: {where} model {report['model']} "

@@ -332,6 +332,8 @@ class Pipeline:
         self._out: queue.Queue = queue.Queue()           # bounded by the slots (released when yielded)
         self._lock = threading.Lock()
         self._open = 0
+        self._rendering = 0          # pages submitted to the renderer, not rendered yet
+        self._blocks = 0             # VLM blocks submitted to the driver, not finished yet
         self._input_closed = False
         self.driver = self.driver_factory(self.times)
         self.abort = threading.Event()
@@ -364,6 +366,18 @@ class Pipeline:
                 th.join(timeout=30)
             self.driver.join()
 
+    def depths(self) -> dict[str, int]:
+        """What is in each stage now (read by /metrics while a run goes on; zeros before one):
+        pages in flight, pages rendering (submitted to the renderer), rendered pages waiting for
+        the layout model, VLM blocks in the engine driver (queued or running there), pages
+        waiting for the writer."""
+        if not hasattr(self, "_lock"):
+            return dict.fromkeys(("pages_in_flight", "rendering", "layout_queue", "blocks_in_flight", "write_queue"), 0)
+        with self._lock:
+            open_, rendering, blocks = self._open, self._rendering, self._blocks
+        return {"pages_in_flight": open_, "rendering": rendering, "layout_queue": self._rendered.qsize(),
+                "blocks_in_flight": blocks, "write_queue": self._writes.qsize()}
+
     def _guard(self, fn):
         """A stage thread's bug ends the run with its exception (raised from run()), never a hang."""
         def run():
@@ -390,6 +404,8 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - the page fails, the run goes on
                 self._fail(page, _as_page_error(e, "render"))
                 continue
+            with self._lock:
+                self._rendering += 1
             fut.add_done_callback(lambda f, page=page: self._rendered_done(page, f))
         with self._lock:
             self._input_closed = True
@@ -399,6 +415,8 @@ class Pipeline:
 
     def _rendered_done(self, page: _Page, fut: cf.Future) -> None:
         self.times.render_s += time.perf_counter() - page.t_submit
+        with self._lock:
+            self._rendering -= 1
         try:
             page.rendered = fut.result()
         except BaseException as e:   # noqa: BLE001 - a PageError("render", ...) or the pool's own failure
@@ -473,6 +491,8 @@ class Pipeline:
         if not vlm:
             self._writes.put(page)
             return
+        with self._lock:
+            self._blocks += len(vlm)
         for i, task, crop in vlm:
             def done(out, err, page=page, i=i, task=task):
                 self._block_done(page, i, task, out, err)
@@ -501,6 +521,8 @@ class Pipeline:
 
     def _block_done(self, page: _Page, i: int, task, out, err: str | None) -> None:
         from .assemble import BlockResult
+        with self._lock:
+            self._blocks -= 1
         with page.lock:
             if err is not None and page.error is None:
                 page.error = PageError("vlm", f"block {task.block.order} ({task.block.label}): {err}")

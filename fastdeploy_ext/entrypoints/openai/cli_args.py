@@ -333,6 +333,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="where accepted jobs, their progress and results live (a restart resumes them)")
     g.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
                    help="jobs queued or running at once; a submit beyond gets 429")
+    g.add_argument("--max-running-jobs", type=int, default=4, metavar="N",
+                   help="jobs parsed at once (each its own pipeline on the shared renderer, layout model and "
+                        "engine: their pages interleave); host memory holds up to N x --max-pages-in-flight pages")
     g.add_argument("--max-upload-bytes", type=int, default=200 << 20, metavar="N",
                    help="largest document accepted (upload or fileUrl), in bytes")
     g.add_argument("--job-ttl", type=float, default=86400.0, metavar="S",

@@ -1,5 +1,5 @@
 """Document-parsing jobs behind the job API (serving_jobs.py): accepted jobs on disk under
-``--jobs-dir``, one runner thread that parses them through the same pipeline as `parse`.
+``--jobs-dir``, runner threads that parse them through the same pipeline as `parse`.
 
 A job is a directory ``<jobs-dir>/<job id>/``: ``job.json`` (what was asked, its state, the
 secret of its result URLs), ``input/`` (the document as received) and ``ws/``, the parse
@@ -10,9 +10,12 @@ which skips the pages already done, so every page is done exactly once. A finish
 ``result.jsonl`` (one line per page) is written before its state turns done. Finished jobs
 expire ``ttl_s`` after they end: their directory is removed and their URLs answer 404.
 
-Jobs run one at a time, in the order accepted (pages of one job run concurrently, up to the
-pipeline's pages in flight); the blocks go to the served engine at ``priority_offset`` below
-interactive chat (a larger priority value runs later)."""
+Up to ``max_running_jobs`` jobs run at once, started in the order accepted: each job is its own
+pipeline run (its own pages in flight, sink and exactly-once workspace) over one shared renderer,
+layout model and the served engine, so pages of different jobs interleave in the render pool,
+the layout model (its calls serialized: SerialLayout) and the engine's batches, and the engine
+does not idle between one job's last pages and the next job's first. The blocks go to the served
+engine at ``priority_offset`` below interactive chat (a larger priority value runs later)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +27,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -78,6 +82,7 @@ class QueueFull(Exception):
 class JobsConfig:
     jobs_dir: Path
     max_queued_jobs: int = 64           # pending + running; beyond: 429
+    max_running_jobs: int = 4           # jobs whose pages are in the pipeline at once
     max_upload_bytes: int = 200 << 20
     ttl_s: float = 86400.0
     priority_offset: int = 100          # added to every block's priority (chat's default is 0)
@@ -131,6 +136,51 @@ class ServedEngineDriver:
         pass
 
 
+# ------------------------------------------------------------------ shared stages
+class SerialLayout:
+    """The layout model shared by the jobs' pipelines, one call at a time: the runner's detector
+    replays CUDA graphs through static input buffers, so two layout threads must never be in it
+    at once. Each pipeline still batches its own rendered pages into one call."""
+
+    def __init__(self, layout):
+        self.inner = layout
+        self._lock = threading.Lock()
+
+    def detect(self, images, threshold: float):
+        with self._lock:
+            return self.inner.detect(images, threshold)
+
+
+class PageRate:
+    """Pages settled per second over the last ``window_s`` (for /metrics): a window that starts no
+    earlier than the current busy period, so the first seconds of a run are not diluted by the
+    idle time before it."""
+
+    def __init__(self, window_s: float = 30.0, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._times: deque[float] = deque()
+        self._since = clock()
+        self._lock = threading.Lock()
+
+    def busy(self) -> None:
+        """A run starts after an idle time: the window starts here."""
+        with self._lock:
+            self._since = self.clock()
+            self._times.clear()
+
+    def add(self) -> None:
+        with self._lock:
+            self._times.append(self.clock())
+
+    def rate(self) -> float:
+        with self._lock:
+            now = self.clock()
+            while self._times and self._times[0] < now - self.window_s:
+                self._times.popleft()
+            span = now - max(now - self.window_s, self._since)
+            return len(self._times) / span if self._times and span > 0 else 0.0
+
+
 # ------------------------------------------------------------------ the store and runner
 class JobService:
     """Accepts, persists, runs and expires jobs. ``base_opts`` are the server's ParseOptions
@@ -138,6 +188,12 @@ class JobService:
 
     def __init__(self, config: JobsConfig, base_opts, engine, *, engine_ready=lambda: True):
         self.config = config
+        if base_opts.load_format == "dummy" and base_opts.planted_layouts and not base_opts.planted_decode:
+            # random VLM weights rarely stop: each block decodes its kind's planted length, as
+            # bench parse does, so a served run decodes the same work as the in-process one
+            log.info("jobs: random VLM weights with planted layouts: each block decodes its kind's planted "
+                     "length (ignore_eos)")
+            base_opts = replace(base_opts, planted_decode=True)
         self.base_opts = base_opts
         self.engine = engine
         self.engine_ready = engine_ready
@@ -146,9 +202,14 @@ class JobService:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._running: dict[str, threading.Thread] = {}     # job id -> its runner thread
+        self._pipes: dict[str, object] = {}                 # job id -> its pipeline while it runs
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._models = None          # (renderer, layout), built by the runner on its first job
+        self._models = None          # (renderer, layout), built by the first job that runs
+        self._build_lock = threading.Lock()
+        self._counts_lock = threading.Lock()
         self.counts = {"submitted": 0, "done": 0, "failed": 0, "pages": 0}
+        self.rate = PageRate()
         config.jobs_dir.mkdir(parents=True, exist_ok=True)
         self._load()
 
@@ -208,7 +269,8 @@ class JobService:
             fsync_dir(str(self.config.jobs_dir))
             self.jobs[job_id] = rec
             self._queue.append(job_id)
-            self.counts["submitted"] += 1
+            with self._counts_lock:
+                self.counts["submitted"] += 1
             self._cv.notify_all()
         log.info("jobs: accepted %s (%s, %d bytes, model %s%s)", job_id, rec.file_name, len(data), model,
                  f", batch {batch_id}" if batch_id else "")
@@ -237,8 +299,8 @@ class JobService:
         self._thread.start()
 
     def stop(self) -> None:
-        """No new jobs; a job in flight stops recording page failures (its pages stay pending
-        and run again on the next start)."""
+        """No new jobs; the jobs in flight stop recording page failures (their pages stay
+        pending and run again on the next start)."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -247,34 +309,67 @@ class JobService:
     def stopping(self) -> bool:
         return self._stopping
 
-    def _next(self) -> str | None:
+    def running(self) -> int:
         with self._cv:
-            while not self._stopping and not (self._queue and self.engine_ready()):
+            return len(self._running)
+
+    def _next(self) -> JobRecord | None:
+        """Starts the next accepted job's thread once a running place is free (and the engine is
+        up) and returns its record; None when the service stops."""
+        with self._cv:
+            while True:
+                if self._stopping:
+                    return None
+                if self._queue and self.engine_ready() and len(self._running) < self.config.max_running_jobs:
+                    rec = self.jobs.get(self._queue.pop(0))
+                    if rec is None:
+                        continue
+                    if not self._running:
+                        self.rate.busy()
+                    th = threading.Thread(target=self._job_thread, args=(rec,), name=f"fdx-job-{rec.job_id[:8]}",
+                                          daemon=True)
+                    self._running[rec.job_id] = th
+                    th.start()
+                    return rec
                 self._cv.wait(0.2)
-            return None if self._stopping else self._queue.pop(0)
 
     def _run(self) -> None:
+        """The dispatcher: starts each job in its own thread, up to max_running_jobs at once."""
         while True:
-            job_id = self._next()
-            if job_id is None:
+            if self._next() is None:
                 return
-            rec = self.jobs.get(job_id)
-            if rec is None:
-                continue
-            try:
-                self._run_job(rec)
-            except Exception as e:  # noqa: BLE001 - this job fails with the reason; the runner goes on
-                if self._stopping:
-                    return
-                log.exception("jobs: %s failed", job_id)
+
+    def _job_thread(self, rec: JobRecord) -> None:
+        try:
+            self._run_job(rec)
+        except Exception as e:  # noqa: BLE001 - this job fails with the reason; the others go on
+            if not self._stopping:
+                log.exception("jobs: %s failed", rec.job_id)
                 self._finish(rec, JobState.FAILED, f"{type(e).__name__}: {e}")
+        finally:
+            with self._cv:
+                self._running.pop(rec.job_id, None)
+                self._pipes.pop(rec.job_id, None)
+                self._cv.notify_all()
+
+    def depths(self) -> dict[str, int]:
+        """The running jobs' pipeline stages, summed (Pipeline.depths)."""
+        with self._cv:
+            pipes = list(self._pipes.values())
+        total = dict.fromkeys(("pages_in_flight", "rendering", "layout_queue", "blocks_in_flight", "write_queue"), 0)
+        for p in pipes:
+            for k, v in p.depths().items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def _build(self):
-        if self._models is None:
-            from ...parsing import coordinator
-            from ...parsing.render import PageRenderer
-            self._models = (PageRenderer(workers=self.base_opts.render_workers), coordinator.build_layout(self.base_opts))
-        return self._models
+        with self._build_lock:          # the first jobs start together: one renderer, one layout model
+            if self._models is None:
+                from ...parsing import coordinator
+                from ...parsing.render import PageRenderer
+                self._models = (PageRenderer(workers=self.base_opts.render_workers),
+                                SerialLayout(coordinator.build_layout(self.base_opts)))
+            return self._models
 
     def _driver_factory(self):
         if self.base_opts.stub_vlm:
@@ -302,6 +397,8 @@ class JobService:
                 sink = _JobSink(ws, self, rec)
                 pipe = coordinator.build_pipeline(opts, renderer=renderer, layout=layout, engine=None, sink=sink,
                                                   driver_factory=self._driver_factory())
+                with self._cv:
+                    self._pipes[rec.job_id] = pipe
                 for _ in pipe.run(coordinator.leased_jobs(ws, "server", opts.max_pages_in_flight, False)):
                     if self._stopping:
                         break
@@ -321,13 +418,16 @@ class JobService:
             self._finish(rec, JobState.DONE, None)
 
     def page_settled(self, rec: JobRecord) -> None:
-        rec.extracted_pages += 1
-        self.counts["pages"] += 1
+        rec.extracted_pages += 1          # only this job's writer thread counts its pages
+        with self._counts_lock:
+            self.counts["pages"] += 1
+        self.rate.add()
 
     def _finish(self, rec: JobRecord, state: JobState, error: str | None) -> None:
         rec.state, rec.error_msg, rec.finished = state, error, time.time()
         self._save(rec)
-        self.counts["done" if state is JobState.DONE else "failed"] += 1
+        with self._counts_lock:
+            self.counts["done" if state is JobState.DONE else "failed"] += 1
         log.info("jobs: %s %s after %.1f s%s", rec.job_id, state.value, rec.finished - (rec.started or rec.created),
                  f": {error}" if error else "")
 
@@ -361,6 +461,10 @@ class JobService:
         self.stop()
         if self._thread is not None:
             self._thread.join(10)
+        with self._cv:
+            threads = list(self._running.values())
+        for th in threads:
+            th.join(10)
         if self._models is not None:
             self._models[0].close()
 
@@ -443,10 +547,11 @@ def jobs_config_from_args(ns: argparse.Namespace) -> JobsConfig | None:
     from ..args import CliError
     if ns.jobs_dir is None:
         return None
-    for name in ("max_queued_jobs", "max_upload_bytes"):
+    for name in ("max_queued_jobs", "max_running_jobs", "max_upload_bytes"):
         if getattr(ns, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     if ns.job_ttl <= 0:
         raise CliError(f"--job-ttl must be > 0, got {ns.job_ttl}")
     return JobsConfig(jobs_dir=Path(ns.jobs_dir), max_queued_jobs=ns.max_queued_jobs,
+                      max_running_jobs=ns.max_running_jobs,
                       max_upload_bytes=ns.max_upload_bytes, ttl_s=ns.job_ttl, priority_offset=ns.job_priority)

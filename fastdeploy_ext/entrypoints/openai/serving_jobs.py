@@ -310,6 +310,9 @@ class JobRoutes:
             data["resultUrl"] = {"jsonUrl": self.result_url(request, rec, "result.jsonl")}
         if rec.state is JobState.FAILED:
             data["errorMsg"] = rec.error_msg or "failed"
+        # the server's own clock, unrounded (Unix seconds): startTime/endTime are whole seconds,
+        # too coarse to time a run from (bench serve --workloads parse reads these)
+        data["timestamps"] = {"created": rec.created, "started": rec.started, "finished": rec.finished}
         return data
 
     def result_url(self, request: Request, rec: JobRecord, rel: str) -> str:
@@ -471,6 +474,16 @@ def _iso(t: float | None) -> str | None:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+#: the running jobs' pipeline stages (summed over their pipelines), as gauges ``job_<key>``
+PIPELINE_GAUGES = (
+    ("pages_in_flight", "Pages of parsing jobs in their pipelines (rendering, laid out, in the VLM or writing)"),
+    ("rendering", "Pages submitted to the render pool and not rendered yet (the render queue)"),
+    ("layout_queue", "Rendered pages waiting for the layout model"),
+    ("blocks_in_flight", "VLM blocks of parsing jobs in the engine (waiting or running there)"),
+    ("write_queue", "Finished pages waiting for the writer (assemble, commit)"),
+)
+
+
 class JobsCollector:
     """The job API's counts in /metrics, read from the service at scrape time (counters since
     this process started; gauges of what is queued and running now)."""
@@ -485,7 +498,8 @@ class JobsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         svc = self.service
         states = [r.state for r in list(svc.jobs.values())]
-        c = svc.counts
+        depths = svc.depths()
+        c = dict(svc.counts)
         yield CounterMetricFamily("fastdeploy_ext:jobs_submitted", "Parsing jobs accepted", value=c["submitted"])
         yield CounterMetricFamily("fastdeploy_ext:jobs_done", "Parsing jobs finished done", value=c["done"])
         yield CounterMetricFamily("fastdeploy_ext:jobs_failed", "Parsing jobs finished failed", value=c["failed"])
@@ -495,6 +509,10 @@ class JobsCollector:
                                 value=states.count(JobState.PENDING))
         yield GaugeMetricFamily("fastdeploy_ext:jobs_running", "Parsing jobs running",
                                 value=states.count(JobState.RUNNING))
+        yield GaugeMetricFamily("fastdeploy_ext:job_pages_per_second", "Pages of parsing jobs settled per second "
+                                f"over the last {svc.rate.window_s:g} s", value=svc.rate.rate())
+        for key, doc in PIPELINE_GAUGES:
+            yield GaugeMetricFamily(f"fastdeploy_ext:job_{key}", doc, value=float(depths[key]))
 
 
 async def expiry_loop(service: JobService, period_s: float) -> None:

@@ -1,0 +1,81 @@
+"""Several jobs at once through the real server and paddleocr's own client: each job gets its own
+pages, the jobs' pages are committed interleaved (read from each job's done log, the
+workspace's per-page commit times), and /metrics shows the jobs running, their pages and blocks
+in flight and the page rate while they run, and the exact counts once they are done."""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+from fastdeploy_ext.parsing.journal import WorkspacePaths, iter_done_columns
+
+from .server_harness import ServerProc
+from .test_job_api import PDFS, TOKEN, check_pages, client, pdf_pages, server_args
+from .test_job_api import api, models  # noqa: F401 - the fixtures
+
+DOCS = ("lots_of_sci_tables.pdf", "skinnypage.pdf", "earnings.pdf")
+GAUGES = ("jobs_running", "jobs_pending", "job_pages_in_flight", "job_blocks_in_flight", "job_pages_per_second",
+          "job_rendering", "job_layout_queue", "job_write_queue")
+
+
+def scrape(srv) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^fastdeploy_ext:(\S+?) (\S+)$", text, re.M)}
+
+
+def commit_times_ms(jobs_dir, job_id) -> list[int]:
+    paths = WorkspacePaths(str(jobs_dir / job_id / "ws"))
+    return sorted(int(t) for cols in iter_done_columns(paths.done_log, fields=("time_ms",)) for t in cols.time_ms)
+
+
+def test_jobs_submitted_together_run_interleaved_with_their_own_results_and_metrics(api, models, tmp_path):  # noqa: F811
+    pages = [pdf_pages(PDFS / d) for d in DOCS]
+    assert pages == [6, 2, 1]
+    jobs_dir = tmp_path / "jobs"
+    srv = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
+    try:
+        before = scrape(srv)
+        assert {k: before[k] for k in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+        with client(api, srv) as c:
+            jobs = [c.submit_document_parsing(file_path=str(PDFS / d)) for d in DOCS]
+            peak = dict.fromkeys(GAUGES, 0.0)
+            while True:                       # /metrics while the jobs run: the largest value seen
+                m = scrape(srv)
+                for k in GAUGES:
+                    peak[k] = max(peak[k], m[k])
+                if m["jobs_done_total"] + m["jobs_failed_total"] == len(DOCS):
+                    break
+                time.sleep(0.02)
+            results = [c.wait_document_parsing_result(j) for j in jobs]
+        after = scrape(srv)
+        stamps = [httpx.get(f"{srv.url}/api/v2/ocr/jobs/{j.job_id}", headers={"Authorization": f"Bearer {TOKEN}"},
+                            timeout=10).json()["data"]["timestamps"] for j in jobs]
+    finally:
+        srv.stop()
+    for r, n in zip(results, pages):
+        check_pages(r, n, pdf=True)
+        assert [p.pruned_result["page_index"] for p in r.pages] == list(range(n))
+        assert len({p.pruned_result["input_path"] for p in r.pages}) == 1
+    # the default --max-running-jobs (4) runs all three at once
+    assert peak["jobs_running"] == 3
+    for k in ("job_pages_in_flight", "job_blocks_in_flight", "job_pages_per_second"):
+        assert peak[k] > 0, (k, peak)
+    # once done: exact counts, nothing left in flight
+    assert (after["jobs_submitted_total"], after["jobs_done_total"], after["jobs_failed_total"]) == (3, 3, 0)
+    assert after["job_pages_total"] == sum(pages)
+    for k in GAUGES:
+        if k != "job_pages_per_second":           # the rate's window still holds the pages just done
+            assert after[k] == 0, (k, after)
+    # the jobs' pages were processed at the same time: each job started (the server's clock)
+    # before every other job's last page was committed (the done log's per-page times); one job
+    # after another, a job would start only after the previous one's last commit
+    times = [commit_times_ms(jobs_dir, j.job_id) for j in jobs]
+    assert [len(t) for t in times] == pages
+    for st in stamps:
+        assert st["created"] <= st["started"] <= st["finished"], st
+    for i, st in enumerate(stamps):
+        for k, last in enumerate(t[-1] for t in times):
+            if k != i:
+                assert st["started"] * 1000 < last, (i, k, stamps, times)
