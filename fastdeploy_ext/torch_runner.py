@@ -110,8 +110,9 @@ class TorchRunner(DeviceRunner):
 
     @classmethod
     def create(cls, request: PlanRequest, probe=None, table=None, family: ModelFamily | None = None) -> "TorchRunner":
-        """The plan is first resolved for ``family``'s built-in config (default: the default
-        family); load_model resolves it again for the model it reads."""
+        """The plan is first resolved for ``family``'s built-in config (default: the request's
+        ``model_family``, else the default family); load_model resolves it again for the model
+        it reads."""
         probe = probe or cls.probe()
         if not probe.present:
             raise RuntimeError(f"{cls.name}: device not present: {probe.reason}")
@@ -120,7 +121,7 @@ class TorchRunner(DeviceRunner):
         if row.source:
             row_reason += f" [row from {row.source}]"
         device = cls.torch_device(probe)
-        family = family or get_family(DEFAULT_FAMILY)
+        family = family or get_family(request.model_family or DEFAULT_FAMILY)
         kernels = kernels_for(cls)      # the built-ins + what this backend contributes (kernel_backends)
 
         def plan_for(components: tuple[Component, ...]) -> RunPlan:

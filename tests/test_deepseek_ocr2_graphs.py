@@ -320,7 +320,8 @@ def test_cuda_graph_replay_equals_eager_bitwise(dtype, monkeypatch):
     from fastdeploy_ext.sync_guard import cuda_host_sync_guard
     monkeypatch.setattr(DeepseekOCR2Family, "default_config", lambda self: TINY)
     gc = GraphOptimizationConfig(use_encoder_cudagraph=True, encoder_graph_paths=PATHS)
-    runner = get_backend_class("cuda").create(PlanRequest(device="cuda", dtype=dtype, graph_config=gc))
+    runner = get_backend_class("cuda").create(PlanRequest(device="cuda", dtype=dtype, graph_config=gc,
+                                                               model_family="deepseek_ocr2"))
     runner.load_model(None, load_format="dummy", model_family="deepseek_ocr2")
     report = runner.capture_graphs()
     assert report.captured == 5 and report.capture_seconds > 0 and report.graph_memory_bytes > 0

@@ -105,3 +105,19 @@ def test_info_prints_the_tower_decisions():
                  "qkv_layout              = strided",
                  "component vision.sam.window_attention relpos_window_attention: 12 heads of 64 -> sdpa_bias"):
         assert line in out.stdout, out.stdout
+
+
+def test_the_first_plan_is_resolved_for_the_requested_family():
+    # before load_model the runner's plan is judged on a family's built-in config: the request's
+    # family, so a graph or kernel request in DeepSeek-OCR-2's form is not judged by PaddleOCR-VL's
+    from fastdeploy_ext.entrypoints.args import plan_request_from_args
+    from fastdeploy_ext.entrypoints.cli import build_parser
+    from fastdeploy_ext.runner import get_backend_class
+    cls = get_backend_class("cpu")
+    default = cls.create(PlanRequest(device="cpu")).plan
+    assert default.relpos_window_attention.value is None and default.attention.value is not None
+    plan = cls.create(PlanRequest(device="cpu", model_family="deepseek_ocr2")).plan
+    assert plan.relpos_window_attention.value == "sdpa_bias" and plan.attention.value is None
+    ns = build_parser().parse_args(["encode", "--load-format", "dummy", "--model-family", "deepseek_ocr2",
+                                    "--image", "x.png", "--output", "y"])
+    assert plan_request_from_args(ns).model_family == "deepseek_ocr2"

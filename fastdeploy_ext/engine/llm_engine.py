@@ -185,8 +185,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     @staticmethod
     def _create_runner(config: EngineConfig):
+        import dataclasses
+
         from ..runner import create_runner
-        runner = create_runner(config.plan)
+        plan = config.plan
+        if plan.model_family is None and config.model_family is not None:
+            plan = dataclasses.replace(plan, model_family=config.model_family)
+        runner = create_runner(plan)
         runner.load_model(config.model, load_format=config.load_format, model_format=config.model_format,
                           with_text=True, model_family=config.model_family)
         report = runner.capture_graphs()          # encoder graphs, as the plan says

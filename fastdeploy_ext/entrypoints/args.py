@@ -163,6 +163,21 @@ def add_runner_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
     add_plan_args(p)
 
 
+def _requested_family(ns: argparse.Namespace) -> str | None:
+    """--model-family, else the family of --model's config.json (None: the default family, or a
+    directory the loader will report on)."""
+    if getattr(ns, "model_family", None):
+        return ns.model_family
+    model = getattr(ns, "model", None)
+    if not model:
+        return None
+    from ..models.registry import detect_family
+    try:
+        return detect_family(model).family.name
+    except Exception:  # noqa: BLE001 - an unreadable or unknown config is load_model's error to report
+        return None
+
+
 def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) -> PlanRequest:
     """--device, --dtype and the plan flags -> PlanRequest (validated: a bad value is a CliError)."""
     try:
@@ -170,7 +185,8 @@ def plan_request_from_args(ns: argparse.Namespace, device: str | None = None) ->
         request = PlanRequest(device=device or ns.device, dtype=ns.dtype, attention_backend=ns.attention_backend,
                               qkv_layout=ns.qkv_layout, grid_thw=ns.grid_thw,
                               fused_layers=ns.fused_layers, graph_config=gc, capabilities=ns.capabilities,
-                              text_attention_backend=getattr(ns, "text_attention_backend", "auto"))
+                              text_attention_backend=getattr(ns, "text_attention_backend", "auto"),
+                              model_family=_requested_family(ns))
         request.validate()
     except ValueError as e:      # PlanError is a ValueError
         raise CliError(str(e)) from None

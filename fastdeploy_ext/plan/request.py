@@ -24,6 +24,10 @@ class PlanRequest:
     text_attention_backend: str = "auto"
     #: a layout detector computes its per-query masks (off unless asked: parsing needs none)
     detector_masks: bool = False
+    #: the model family the runner's first plan is resolved for (its built-in config; None: the
+    #: default family), before load_model resolves it again for the model it reads: a graph or
+    #: kernel request in another family's form would otherwise be judged by the default family's
+    model_family: str | None = None
 
     #: the flag that forces each kind's backend
     BACKEND_FLAG: ClassVar[dict[ComponentKind, str]] = {
