@@ -22,17 +22,19 @@ def test_bench_serve_parse_reports_both_sides_and_their_ratio(tmp_path):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "bench", "serve", "--workload", "parse",
            "--model", str(tiny_vl()), "--device", "cpu", "--dtype", "float32", "--layout-model",
-           str(tmp_path / "layout"), "--parse-jobs", "2", "--parse-pages", "2", "--parse-args", TINY_PARSE,
+           str(tmp_path / "layout"), "--parse-jobs", "2", "--parse-pages", "2", "--parse-in-process-pages", "3",
+           "--parse-args", TINY_PARSE,
            "--startup-timeout", "300", "--json-out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=800, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     rep = json.loads(out.read_text())
-    assert (rep["workload"], rep["jobs"], rep["pages_per_job"], rep["concurrency"]) == ("parse", 2, 2, 2)
+    assert (rep["workload"], rep["jobs"], rep["pages_per_job"], rep["concurrency"], rep["in_process_pages"]) == \
+        ("parse", 2, 2, 2, 3)
     r = rep["workloads"]["parse"]
     served, inproc = r["ours"], r["in_process"]
     assert (served["jobs"], served["pages"], served["failed"]) == (2, 4, 0), served
-    assert (inproc["pages"], inproc["failed"]) == (4, 0), inproc
+    assert (inproc["pages"], inproc["failed"]) == (3, 0), inproc       # the first 3 of the 2 x 2 pages
     assert served["pages_per_s"] == pytest.approx(4 / served["wall_s"], rel=1e-2)
     assert 0 < served["wall_s"] <= served["client_wall_s"]
     assert r["ratio_served_over_in_process"] == pytest.approx(served["pages_per_s"] / inproc["pages_per_s"])

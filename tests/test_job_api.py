@@ -13,9 +13,7 @@ import base64
 import hashlib
 import importlib
 import json
-import re
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -256,42 +254,4 @@ def test_other_models_unknown_options_and_unimplemented_features_are_400s_naming
     assert r.status_code == 413 and r.json()["code"] != 0 and "--max-upload-bytes" in r.json()["msg"]
 
 
-# ------------------------------------------------------------------ kill -9 mid-job
-def test_kill_9_mid_job_then_restart_on_the_same_jobs_dir_completes_every_page_once(api, models, tmp_path,
-                                                                                  monkeypatch):
-    from fastdeploy_ext.parsing.status import workspace_status
-    from . import server_harness
-    pdf = PDFS / "lots_of_sci_tables.pdf"
-    n = pdf_pages(pdf)
-    assert n == 6
-    jobs_dir = tmp_path / "jobs"
-    first = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
-    try:
-        with client(api, first) as c:
-            job = c.submit_document_parsing(file_path=str(pdf))
-            while True:                          # kill once some pages are in, before the last
-                st = c.get_status(job.job_id)
-                assert st.state in ("pending", "running"), f"the job ended before the kill: {st}"
-                if st.progress is not None and st.progress.extracted_pages >= 2:
-                    break
-                time.sleep(0.05)
-            first.proc.kill()
-            first.proc.wait()
-            # the client's poller does not retry: the connection error reaches the caller
-            with pytest.raises(api.errors.NetworkError):
-                c.wait_document_parsing_result(job)
-            monkeypatch.setattr(server_harness, "free_port", lambda: first.port)   # the client's URL
-            second = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
-            try:
-                result = c.wait_document_parsing_result(job.job_id)
-            finally:
-                second.stop()
-    finally:
-        first.stop()
-    check_pages(result, n, pdf=True)
-    assert [p.pruned_result["page_index"] for p in result.pages] == list(range(n))
-    st = workspace_status(jobs_dir / job.job_id / "ws")
-    assert (st.done, st.failed, st.pending) == (n, 0, 0)
-    # the restart resumed the job: the pages done before the kill were not done again
-    todo = [int(x) for x in re.findall(rf"jobs: {job.job_id} running: {n} pages, (\d+) to do", second.output)]
-    assert len(todo) == 1 and todo[0] <= n - 2, second.output[-3000:]
+# kill -9 mid-job (several jobs running, each resumed, every page once): test_job_api_concurrent.py

@@ -8,6 +8,7 @@ import re
 import time
 
 import httpx
+import pytest
 
 from fastdeploy_ext.parsing.journal import WorkspacePaths, iter_done_columns
 
@@ -79,3 +80,44 @@ def test_jobs_submitted_together_run_interleaved_with_their_own_results_and_metr
         for k, last in enumerate(t[-1] for t in times):
             if k != i:
                 assert st["started"] * 1000 < last, (i, k, stamps, times)
+
+
+def test_kill_9_with_several_jobs_running_resumes_each_and_every_page_is_done_once(api, models, tmp_path,  # noqa: F811
+                                                                                   monkeypatch):
+    from fastdeploy_ext.parsing.status import workspace_status
+
+    from . import server_harness
+    docs = ("lots_of_sci_tables.pdf", "skinnypage.pdf")
+    pages = [pdf_pages(PDFS / d) for d in docs]
+    jobs_dir = tmp_path / "jobs"
+    first = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
+    try:
+        with client(api, first) as c:
+            jobs = [c.submit_document_parsing(file_path=str(PDFS / d)) for d in docs]
+            while True:                      # both running, the long one part done: kill
+                st = [c.get_status(j.job_id) for j in jobs]
+                assert st[0].state in ("pending", "running"), f"the long job ended before the kill: {st[0]}"
+                if all(s.state == "running" for s in st) and st[0].progress.extracted_pages >= 1:
+                    break
+                time.sleep(0.05)
+            first.proc.kill()
+            first.proc.wait()
+            # the client's poller does not retry: the connection error reaches the caller
+            with pytest.raises(api.errors.NetworkError):
+                c.wait_document_parsing_result(jobs[0])
+            monkeypatch.setattr(server_harness, "free_port", lambda: first.port)   # the client's URL
+            second = ServerProc(*server_args(models, jobs_dir)).wait_healthy()
+            try:
+                results = [c.wait_document_parsing_result(j.job_id) for j in jobs]
+            finally:
+                second.stop()
+    finally:
+        first.stop()
+    for j, r, n in zip(jobs, results, pages):
+        check_pages(r, n, pdf=True)
+        st = workspace_status(jobs_dir / j.job_id / "ws")
+        assert (st.done, st.failed, st.pending) == (n, 0, 0)
+    # the long job was resumed from its done pages, not redone
+    todo = [int(x) for x in re.findall(rf"jobs: {jobs[0].job_id} running: {pages[0]} pages, (\d+) to do",
+                                       second.output)]
+    assert len(todo) == 1 and todo[0] <= pages[0] - 1, second.output[-3000:]

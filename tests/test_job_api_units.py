@@ -177,3 +177,68 @@ def test_a_page_refused_while_the_server_stops_is_not_recorded_as_failed(tmp_pat
     svc.stop()
     sink.fail(SimpleNamespace(lease=None, work=SimpleNamespace(key="k2")), "vlm", "EngineDead")
     assert recorded == ["k1"] and rec.extracted_pages == 1      # k2 stays pending: redone on the next start
+
+
+def test_max_running_jobs_is_checked_and_reaches_the_config(tmp_path):
+    import argparse
+
+    from fastdeploy_ext.entrypoints.args import CliError
+    from fastdeploy_ext.entrypoints.openai.cli_args import add_job_arguments
+    from fastdeploy_ext.entrypoints.openai.jobs import jobs_config_from_args
+    p = argparse.ArgumentParser()
+    add_job_arguments(p)
+    ns = p.parse_args(["--jobs-dir", str(tmp_path)])
+    assert jobs_config_from_args(ns).max_running_jobs == 4          # the documented default
+    assert jobs_config_from_args(p.parse_args(["--jobs-dir", str(tmp_path), "--max-running-jobs", "2"])
+                                 ).max_running_jobs == 2
+    with pytest.raises(CliError, match="--max-running-jobs must be >= 1, got 0"):
+        jobs_config_from_args(p.parse_args(["--jobs-dir", str(tmp_path), "--max-running-jobs", "0"]))
+
+
+def test_the_layout_model_shared_by_the_jobs_runs_one_call_at_a_time():
+    from fastdeploy_ext.entrypoints.openai.jobs import SerialLayout
+
+    class Layout:
+        def __init__(self):
+            self.inside, self.peak, self.lock = 0, 0, threading.Lock()
+
+        def detect(self, images, threshold):
+            with self.lock:
+                self.inside += 1
+                self.peak = max(self.peak, self.inside)
+            time.sleep(0.02)
+            with self.lock:
+                self.inside -= 1
+            return [[] for _ in images]
+
+    def hammer(layout):
+        ts = [threading.Thread(target=lambda: [layout.detect([0], 0.3) for _ in range(5)]) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    bare = Layout()
+    hammer(bare)
+    assert bare.peak > 1                   # without the wrapper, the jobs' layout threads overlap
+    inner = Layout()
+    hammer(SerialLayout(inner))
+    assert inner.peak == 1
+
+
+def test_the_page_rate_counts_the_window_from_the_busy_start():
+    from fastdeploy_ext.entrypoints.openai.jobs import PageRate
+    now = [100.0]
+    rate = PageRate(window_s=30.0, clock=lambda: now[0])
+    assert rate.rate() == 0.0
+    now[0] = 200.0
+    rate.busy()                            # a run starts after 100 s idle: not diluted by them
+    for t in (201.0, 202.0, 204.0):
+        now[0] = t
+        rate.add()
+    now[0] = 205.0
+    assert rate.rate() == pytest.approx(3 / 5.0)
+    now[0] = 260.0                         # 30 s window: pages older than 230 are gone
+    assert rate.rate() == 0.0
+    for _ in range(6):
+        rate.add()
+    assert rate.rate() == pytest.approx(6 / 30.0)

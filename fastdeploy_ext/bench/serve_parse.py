@@ -48,6 +48,7 @@ class ParseWorkload:
     parse_args: tuple[str, ...] = ()        # to both sides
     seed: int = 0
     poll_s: float = 0.5
+    in_process_pages: int | None = None     # the in-process side's pages (None: every job's)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,19 +62,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='parse and engine flags for both sides, one string, e.g. "--max-pages-in-flight 32 '
                         '--render-workers 8 --max-num-seqs 128"')
     g.add_argument("--parse-seed", type=int, default=0, help="the synthetic pages' seed")
+    g.add_argument("--parse-in-process-pages", type=int, default=None, metavar="N",
+                   help="the in-process side parses the first N of those pages (default: all jobs' pages); both "
+                        "figures are steady rates, and fewer pages here keep one device call under its limit")
 
 
 def workload_from_args(ns) -> ParseWorkload:
     for name in ("parse_jobs", "parse_pages"):
         if getattr(ns, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
-    if ns.parse_concurrency is not None and ns.parse_concurrency < 1:
-        raise BenchError("--parse-concurrency must be >= 1")
+    for name in ("parse_concurrency", "parse_in_process_pages"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
     if ns.layout_model is not None and not Path(ns.layout_model).is_dir():
         raise BenchError(f"--layout-model {ns.layout_model}: not a directory")
     return ParseWorkload(jobs=ns.parse_jobs, pages=ns.parse_pages, concurrency=ns.parse_concurrency,
                          layout_model=ns.layout_model, parse_args=tuple(shlex.split(ns.parse_args)),
-                         seed=ns.parse_seed)
+                         seed=ns.parse_seed, in_process_pages=ns.parse_in_process_pages)
 
 
 # ------------------------------------------------------------------ the two sides
@@ -85,10 +90,14 @@ def common_flags(o, w: ParseWorkload) -> list[str]:
     return [*src, "--device", o.device, "--dtype", o.dtype, *layout, *w.parse_args]
 
 
+def in_process_pages(w: ParseWorkload) -> int:
+    return min(w.in_process_pages or w.jobs * w.pages, w.jobs * w.pages)
+
+
 def run_in_process(o, w: ParseWorkload, docs: Path, log_path: str) -> dict:
     """`bench parse --pdf DOCS` in its own process (ours only): its report's "ours" side."""
     cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "bench", "parse", "--pdf", str(docs), "--pages",
-           str(w.jobs * w.pages), "--seed", str(w.seed), "--no-baseline", "--json", *common_flags(o, w)]
+           str(in_process_pages(w)), "--seed", str(w.seed), "--no-baseline", "--json", *common_flags(o, w)]
     log.info("in-process: %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "wb") as err:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, timeout=None)
@@ -177,7 +186,7 @@ def run_parse_bench(o, log_dir: str) -> dict:
     w: ParseWorkload = o.parse
     report = {"workload": "parse", "device": o.device, "dtype": o.dtype, "model": o.model or "dummy",
               "layout_model": w.layout_model or "dummy", "jobs": w.jobs, "pages_per_job": w.pages,
-              "concurrency": w.concurrency or w.jobs, "parse_args": list(w.parse_args),
+              "concurrency": w.concurrency or w.jobs, "in_process_pages": in_process_pages(w), "parse_args": list(w.parse_args),
               "server_args": list(o.server_args), "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="fdx-bench-serve-parse-") as tmp:
         root = Path(tmp)

@@ -295,6 +295,9 @@ class JobService:
     # ---------------------------------------------------------------- the runner
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        log.info("jobs: up to %d jobs parse at once (--max-running-jobs), each its own pipeline of up to %d pages in "
+                 "flight on the shared renderer, layout model and engine", self.config.max_running_jobs,
+                 self.base_opts.max_pages_in_flight)
         self._thread = threading.Thread(target=self._run, name="fdx-jobs", daemon=True)
         self._thread.start()
 
