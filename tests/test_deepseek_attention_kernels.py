@@ -232,7 +232,7 @@ def test_cuda_rows_prefer_the_triton_kernels_in_half_precision(row):
     for kind, name in ((WINDOW, "triton_relpos"), (GLOBAL, "triton_relpos"), (PREFIX, "triton_prefix_causal")):
         d = plan.kernel(kind)
         assert d.value == name and d.reason == f"first usable in row {row} {kind.value.rsplit('_', 1)[0]} " \
-                                               "preference order"
+                                               "preference order; test: CUDA and triton here"
     assert plan.qkv_layout.value is QkvLayout.STRIDED and "triton_relpos reads strided q/k/v" in plan.qkv_layout.reason
     # fp32 (the parity dtype) keeps ATen's math, with the reason
     plan = _plan(row, "float32", True)
