@@ -120,7 +120,8 @@ def test_interpreter_subprocess():
 @interp
 @pytest.mark.parametrize("b,h,gh,gw,d,block", [(2, 2, 5, 7, 16, (16, 16)),      # odd non-square grid
                                                (1, 3, 3, 3, 24, (16, 16)),      # head dim padded to 32
-                                               (1, 1, 9, 9, 64, None)])         # the default blocks, D=64
+                                               (1, 1, 9, 9, 64, None),          # the default blocks, D=64
+                                               (1, 2, 3, 32, 16, (16, 16))])    # wide rows: a key block in one row
 def test_interp_relpos_kernel_matches_sdpa_bias(b, h, gh, gw, d, block):
     from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, relpos_attention
     q, k, v, rel_h, rel_w = relpos_case(b, h, gh, gw, d)
@@ -176,6 +177,11 @@ def test_interp_a_dropped_bias_term_or_an_off_by_one_prefix_fails_the_comparison
     want = SDPA_BIAS(q, k, v, rel_h, rel_w)
     assert _err(relpos_attention(q, k, v, rel_h, torch.zeros_like(rel_w), 16 ** -0.5), want) > 1e-2
     assert _err(relpos_attention(q, k, v, rel_h, rel_w, 16 ** -0.5), want) <= 1e-4     # the same call, unbroken
+    q, k, v, rel_h, rel_w = relpos_case(1, 2, 3, 32, 16)           # the row term dropped instead
+    want = SDPA_BIAS(q, k, v, rel_h, rel_w)
+    blocks = BlockConfig(16, 16, 4, 2)
+    assert _err(relpos_attention(q, k, v, torch.zeros_like(rel_h), rel_w, 16 ** -0.5, blocks), want) > 1e-2
+    assert _err(relpos_attention(q, k, v, rel_h, rel_w, 16 ** -0.5, blocks), want) <= 1e-4
     q, k, v = prefix_case(2, 6, 2, 23, 16)
     want = masked_reference(q, k, v, 11)
     cfg = BlockConfig(16, 16, 4, 2)
