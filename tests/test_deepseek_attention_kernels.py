@@ -207,6 +207,34 @@ def test_bad_inputs_name_the_problem():
         prefix_causal_attention(q, k, v, torch.tensor(2), 0.25)
 
 
+@pytest.mark.parametrize("relpos,dtype,n", [(True, torch.bfloat16, 4096), (True, torch.bfloat16, 196),
+                                           (False, torch.bfloat16, 512), (True, torch.float32, 196)])
+def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
+    """Triton's compiler down to an sm_90a cubin (its bundled ptxas) with the launcher's default
+    blocks: what the interpreter cannot check (constexpr branches, layouts, the wgmma lowering)."""
+    if ta.TRITON_INTERPRETED:
+        pytest.skip("the interpreter process builds no compiled kernels")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fastdeploy_ext.ops.triton import biased_attention as ba
+    fn = ba._KERNELS["fwd"]
+    bm, bn, warps, stages = ba.default_config(n, dtype)
+    ty = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    consts = dict(HEADS=12, GROUP=1 if relpos else 7, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=bm, BLOCK_N=bn,
+                  ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos, PREFIX_CAUSAL=not relpos,
+                  DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
+    sig = {a: "constexpr" if a in consts else ty if a[0].isupper() else "fp32" if a.endswith("scale") else "i32"
+           for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a[0].isupper() and a not in consts}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    assert ".entry _biased_attn_fwd" in ptx and "cp.async" in ptx      # k/v tiles pipelined
+    if dtype == torch.bfloat16:
+        assert "wgmma" in ptx                                            # Hopper's tensor-core path
+
+
 def test_bench_names_a_bad_workload():
     out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.bench.deepseek_attention", "--workloads",
                           "global_v16,nope"], capture_output=True, text=True, timeout=120)
