@@ -235,10 +235,13 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
         assert "wgmma" in ptx                                            # Hopper's tensor-core path
 
 
-def test_bench_names_a_bad_workload():
-    out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.bench.deepseek_attention", "--workloads",
-                          "global_v16,nope"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "unknown workload(s) nope; known: window_v16" in out.stderr
+def test_bench_names_a_bad_workload_or_config(capsys):
+    from fastdeploy_ext.bench.deepseek_attention import main
+    for argv, msg in ((["--workloads", "global_v16,nope"], "unknown workload(s) nope; known: window_v16"),
+                      (["--configs", "64,48,4,3"], "--configs: block_n must be a power of two >= 16, got 48")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the plan
