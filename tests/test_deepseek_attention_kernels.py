@@ -120,7 +120,8 @@ def test_interpreter_subprocess():
 @interp
 @pytest.mark.parametrize("b,h,gh,gw,d,block", [(2, 2, 5, 7, 16, (16, 16)),      # odd non-square grid
                                                (1, 3, 3, 3, 24, (16, 16)),      # head dim padded to 32
-                                               (1, 1, 9, 9, 64, None)])         # the default blocks, D=64
+                                               (1, 1, 9, 9, 64, None),          # the default blocks, D=64
+                                               (1, 2, 3, 32, 16, (16, 16))])    # wide rows: a key block in one row
 def test_interp_relpos_kernel_matches_sdpa_bias(b, h, gh, gw, d, block):
     from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, relpos_attention
     q, k, v, rel_h, rel_w = relpos_case(b, h, gh, gw, d)
@@ -176,6 +177,11 @@ def test_interp_a_dropped_bias_term_or_an_off_by_one_prefix_fails_the_comparison
     want = SDPA_BIAS(q, k, v, rel_h, rel_w)
     assert _err(relpos_attention(q, k, v, rel_h, torch.zeros_like(rel_w), 16 ** -0.5), want) > 1e-2
     assert _err(relpos_attention(q, k, v, rel_h, rel_w, 16 ** -0.5), want) <= 1e-4     # the same call, unbroken
+    q, k, v, rel_h, rel_w = relpos_case(1, 2, 3, 32, 16)           # the row term dropped instead
+    want = SDPA_BIAS(q, k, v, rel_h, rel_w)
+    blocks = BlockConfig(16, 16, 4, 2)
+    assert _err(relpos_attention(q, k, v, torch.zeros_like(rel_h), rel_w, 16 ** -0.5, blocks), want) > 1e-2
+    assert _err(relpos_attention(q, k, v, rel_h, rel_w, 16 ** -0.5, blocks), want) <= 1e-4
     q, k, v = prefix_case(2, 6, 2, 23, 16)
     want = masked_reference(q, k, v, 11)
     cfg = BlockConfig(16, 16, 4, 2)
@@ -201,10 +207,41 @@ def test_bad_inputs_name_the_problem():
         prefix_causal_attention(q, k, v, torch.tensor(2), 0.25)
 
 
-def test_bench_names_a_bad_workload():
-    out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.bench.deepseek_attention", "--workloads",
-                          "global_v16,nope"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "unknown workload(s) nope; known: window_v16" in out.stderr
+@pytest.mark.parametrize("relpos,dtype,n", [(True, torch.bfloat16, 4096), (True, torch.bfloat16, 196),
+                                           (False, torch.bfloat16, 512), (True, torch.float32, 196)])
+def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
+    """Triton's compiler down to an sm_90a cubin (its bundled ptxas) with the launcher's default
+    blocks: what the interpreter cannot check (constexpr branches, layouts, the wgmma lowering)."""
+    if ta.TRITON_INTERPRETED:
+        pytest.skip("the interpreter process builds no compiled kernels")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fastdeploy_ext.ops.triton import biased_attention as ba
+    fn = ba._KERNELS["fwd"]
+    bm, bn, warps, stages = ba.default_config(n, dtype)
+    ty = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    consts = dict(HEADS=12, GROUP=1 if relpos else 7, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=bm, BLOCK_N=bn,
+                  ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos, PREFIX_CAUSAL=not relpos,
+                  DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
+    sig = {a: "constexpr" if a in consts else ty if a[0].isupper() else "fp32" if a.endswith("scale") else "i32"
+           for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a[0].isupper() and a not in consts}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    assert ".entry _biased_attn_fwd" in ptx and "cp.async" in ptx      # k/v tiles pipelined
+    if dtype == torch.bfloat16:
+        assert "wgmma" in ptx                                            # Hopper's tensor-core path
+
+
+def test_bench_names_a_bad_workload_or_config(capsys):
+    from fastdeploy_ext.bench.deepseek_attention import main
+    for argv, msg in ((["--workloads", "global_v16,nope"], "unknown workload(s) nope; known: window_v16"),
+                      (["--configs", "64,48,4,3"], "--configs: block_n must be a power of two >= 16, got 48")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the plan
@@ -232,7 +269,7 @@ def test_cuda_rows_prefer_the_triton_kernels_in_half_precision(row):
     for kind, name in ((WINDOW, "triton_relpos"), (GLOBAL, "triton_relpos"), (PREFIX, "triton_prefix_causal")):
         d = plan.kernel(kind)
         assert d.value == name and d.reason == f"first usable in row {row} {kind.value.rsplit('_', 1)[0]} " \
-                                               "preference order"
+                                               "preference order; test: CUDA and triton here"
     assert plan.qkv_layout.value is QkvLayout.STRIDED and "triton_relpos reads strided q/k/v" in plan.qkv_layout.reason
     # fp32 (the parity dtype) keeps ATen's math, with the reason
     plan = _plan(row, "float32", True)

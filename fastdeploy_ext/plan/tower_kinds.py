@@ -8,6 +8,7 @@ prefix mask as index arithmetic), every other row and dtype ATen's SDPA with a m
 reason noted."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 from .choice import KernelChoice, KindContext, first_usable
@@ -51,7 +52,10 @@ def resolve_tower_kind(ctx: KindContext) -> KernelChoice:
         return None if ok else f"kernel unavailable: {why}"
 
     what, order = _WHAT[ctx.kind]
-    return first_usable(ctx, usable, what, order)
+    choice = first_usable(ctx, usable, what, order)
+    # the chosen backend's own word on this device (which kernel, what it needs) joins the reason
+    here = ctx.available[choice.entry.backend][2]
+    return dataclasses.replace(choice, decision=Decision(choice.decision.value, f"{choice.decision.reason}; {here}"))
 
 
 def resolve_tower_qkv_layout(row: CapabilityRow, windowed: KernelChoice,

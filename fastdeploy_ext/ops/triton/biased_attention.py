@@ -74,7 +74,7 @@ if triton is not None:
         stride_ob, stride_oh, stride_on,
         stride_rhb, stride_rhh, stride_rhn,
         stride_rwb, stride_rwh, stride_rwn,
-        n_tokens, grid_w, n_prefix, qk_scale,
+        n_tokens, grid_w, n_prefix, qk_scale, inv_scale,
         HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -135,12 +135,17 @@ if triton is not None:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k_rows = tl.minimum(offs_n, n_tokens - 1)
             k = tl.load(k_base + k_rows[:, None] * s_kn + cols[None, :])
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             if RELPOS:
+                # the bias of each (query, key): rel_h at the key's grid row, rel_w at its column,
+                # gathered from the query's rows (L1 hits: a key block spans few rows); it is the
+                # QK dot's accumulator, divided by the scale the sum is multiplied by (bias added
+                # after the dot instead serializes Hopper's wgmma pipeline: ptxas C7515)
                 kh = k_rows // grid_w
                 kw = k_rows - kh * grid_w
                 bias = tl.load(rh_base + kh[None, :]).to(tl.float32) + tl.load(rw_base + kw[None, :]).to(tl.float32)
-                qk += bias * 1.4426950408889634
+                qk = tl.dot(q, tl.trans(k), bias * inv_scale, input_precision=DOT_PREC) * qk_scale
+            else:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             visible = (offs_n < n_tokens)[None, :]
             if PREFIX_CAUSAL:
                 visible = visible & (offs_n[None, :] <= last_key[:, None])
@@ -221,7 +226,7 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
         *(s // align for s in v.stride()[:3]),
         out.stride(0) // align, out.stride(2) // align, out.stride(1) // align,
         *rh_strides, *rw_strides,
-        n, grid_w, n_prefix, scale * _LOG2E,
+        n, grid_w, n_prefix, scale * _LOG2E, 1.0 / scale,
         HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=bm, BLOCK_N=bn, ALIGN=align, RELPOS=relpos, PREFIX_CAUSAL=not relpos,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
