@@ -17,7 +17,8 @@ setup(
     package_data={"fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"],
                   "fastdeploy_ext.models.pp_doclayout_v2": ["reference_data/*"],
                   "backends.cuda": ["capabilities.yaml"], "backends.metax": ["capabilities.yaml"],
-                  "backends.cpu_amx": ["capabilities.yaml"]},
+                  "backends.cpu_amx": ["capabilities.yaml"],
+                  "fastdeploy_ext.entrypoints.openai.ui": ["index.html"]},      # `serve`'s /ui page
     install_requires=[
         "torch>=2.11,<2.14",
         "numpy",
