@@ -45,6 +45,8 @@ setup(
         # the OpenAI-compatible server (`fastdeploy-ext serve`): FastAPI on uvicorn, Prometheus
         # metrics, httpx for http(s) image URLs and for `bench serve`'s load generator
         "serve": SERVE,
+        # `bench parse --plots DIR`: the stage breakdown and GPU-busy timeline as PNG charts
+        "plots": ["matplotlib>=3.7"],
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
         # interpreter-mode tests on the CPU; the server tests drive the server with `openai`;
         # hypothesis runs the property tests (fixed seeds and example counts).
@@ -55,6 +57,7 @@ setup(
                  # the job API's tests drive it with paddleocr's own API client (its files from
                  # the paddleocr==3.7.0 wheel), which needs these two
                  "requests>=2.28", "aiohttp>=3.9",
+                 "matplotlib>=3.7",     # bench parse --plots
                  *SERVE],
     },
     entry_points={
