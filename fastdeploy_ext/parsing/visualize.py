@@ -48,9 +48,10 @@ def line_width(width: int, height: int) -> int:
 
 
 def tag_scale(width: int, height: int) -> int:
-    """The bitmap font is 11 px tall: scaled by a whole factor so a tag stays legible on a page
-    rendered at 144 dpi and more (nearest-neighbour, so the glyphs keep their exact pixels)."""
-    return max(1, round(max(width, height) / 800))
+    """The bitmap font is 11 px tall: 1:1 up to ~2000 px (an A4 page at 144 dpi), where it reads
+    at full size and covers little of the block; scaled by a whole factor on larger renders
+    (nearest-neighbour, so the glyphs keep their exact pixels)."""
+    return max(1, round(max(width, height) / 2000))
 
 
 @functools.lru_cache(maxsize=1)
