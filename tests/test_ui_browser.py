@@ -135,14 +135,28 @@ def test_the_page_shows_every_page_with_its_boxes_and_markdown(server, browser, 
             tip = await page.wait_for("document.querySelector('#tip').style.display === 'block' && "
                                       "document.querySelector('#tip').textContent")
             shot = await page.screenshot(tmp_path / "ui.png")
+            # the model's text is shown, never run: a table keeps only table elements and spans,
+            # other Markdown is text; formulas are text in their own element
+            hostile = await page.eval("""(() => {
+              window.pwned = 0;
+              const md = markdownView({images: {}, text:
+                '<table><tr><td colspan="2" onclick="pwned=1">a<img src=x onerror="pwned=1"></td></tr></table>\\n\\n' +
+                '<img src=x onerror="pwned=1"> and $x^2$\\n\\n$$\\n\\\\frac{a}{b}\\n$$'});
+              document.body.append(md);
+              return new Promise(r => setTimeout(() => r({html: md.innerHTML, pwned: window.pwned}), 300));
+            })()""")
             # the key is kept for the tab: a reload still has it
             await page.goto(f"{server.url}/ui")
             kept = await page.eval("document.querySelector('#key').value")
-            return shown, jsonl_url, table, tip, shot, kept
+            return shown, jsonl_url, table, tip, shot, kept, hostile
         finally:
             await page.close()
 
-    shown, jsonl_url, table, tip, shot, kept = run(scenario())
+    shown, jsonl_url, table, tip, shot, kept, hostile = run(scenario())
+    assert hostile["pwned"] == 0
+    assert hostile["html"] == ('<table><tbody><tr><td colspan="2">a</td></tr></tbody></table>'
+                               '<p>&lt;img src=x onerror="pwned=1"&gt; and <span class="formula">x^2</span></p>'
+                               '<pre class="formula">\\frac{a}{b}</pre>')
     lines = [json.loads(x) for x in httpx.get(jsonl_url, timeout=30).text.splitlines() if x.strip()]
     items = [it for line in lines for it in line["result"]["layoutParsingResults"]]
     assert len(items) == 2 and [p["page"] for p in shown] == [1, 2]

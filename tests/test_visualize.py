@@ -155,3 +155,30 @@ def test_the_cli_flag_sets_the_option():
     for extra, want in (([], False), (["--visualize"], True)):
         ns = build_parser().parse_args(["parse", "x.pdf", "--output", "o", "--stub-vlm", *extra])
         assert parse_options_from_args(ns, output="o").visualize is want
+
+
+# ------------------------------------------------------------------ through the job API
+def test_the_job_api_takes_visualize_and_serves_only_the_pages_pictures(tmp_path):
+    pytest.importorskip("starlette")
+    from fastdeploy_ext.entrypoints.openai.jobs import JobRecord, JobsConfig, JobService
+    from fastdeploy_ext.entrypoints.openai.serving_jobs import JobAPIError, job_options
+    from fastdeploy_ext.parsing.options import ParseOptions
+    base = ParseOptions(stub_vlm=True)
+    assert job_options({"visualize": True}, base) == {"visualize": True}
+    assert job_options({"visualize": False}, base) == {"visualize": False}
+    with pytest.raises(JobAPIError, match="optionalPayload.visualize"):
+        job_options({"visualize": "yes"}, base)
+    svc = JobService(JobsConfig(jobs_dir=tmp_path / "jobs"), base, engine=None)
+    rec = JobRecord(job_id="j1", model="PaddleOCR-VL", file_name="document.pdf", options={}, secret="s", created=0.0)
+    ws = tmp_path / "jobs" / "j1" / "ws"
+    (ws / "imgs").mkdir(parents=True)
+    for name in ("document_0001_layout.png", "imgs/document_0001_001_image.png", "document_0001.json",
+                 "imgs/x_layout.png"):
+        (ws / name).write_bytes(b"x")
+    (tmp_path / "jobs" / "j1" / "job.json").write_bytes(b"{}")
+    assert svc.result_path(rec, "document_0001_layout.png") == ws / "document_0001_layout.png"
+    assert svc.result_path(rec, "imgs/document_0001_001_image.png") is not None
+    # only pictures beside the pages and the crops: not the page JSON, the job record, or a way out
+    for rel in ("document_0001.json", "../job.json", "../ws/document_0001_layout.png", "/etc/x_layout.png",
+                ".fdparse/x_layout.png", "absent_layout.png", ""):
+        assert svc.result_path(rec, rel) is None, rel
