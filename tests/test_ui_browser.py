@@ -2,7 +2,7 @@
 DevTools protocol: tests/cdp.py) against a tiny-model jobs server: a PDF from ../shared/pdfs
 uploaded through the page's file input, every page shown with its picture, one box per block of
 the job's JSON (hover: label, score, reading order) and its Markdown; a corrupt file, a file over
-the upload limit and a wrong key show the API's own message.
+the upload limit, a full job queue and a wrong key show the API's own message.
 
 Runs in the cpu/ui leg (ci/matrix.yaml), which installs Chromium with apt when it is missing; a
 machine without Chromium skips it with the reason (the leg fails on a skip)."""
@@ -48,7 +48,7 @@ def server(tmp_path_factory):
     srv = ServerProc("--jobs-dir", str(root / "jobs"), "--layout-model", str(root / "layout"), "--planted-layouts",
                      str(root / "planted.json"), "--max-new-tokens", "8", "--block-max-pixels", "12544",
                      "--render-workers", "1", "--max-model-len", "1024", "--api-key", TOKEN,
-                     "--max-upload-bytes", str(UPLOAD_LIMIT))
+                     "--max-upload-bytes", str(UPLOAD_LIMIT), "--max-queued-jobs", "1")
     try:
         yield srv.wait_healthy()
     finally:
@@ -208,7 +208,8 @@ def _job_error(server, job_id: str) -> str:
     return st["errorMsg"]
 
 
-@pytest.mark.parametrize("case", ["corrupt", "too large", "wrong key"])
+# "queue full" last: its blocking job is left running (the server's teardown stops it)
+@pytest.mark.parametrize("case", ["corrupt", "too large", "wrong key", "queue full"])
 def test_errors_are_shown_as_the_api_reports_them(server, browser, tmp_path, case):
     if case == "corrupt":
         path, key = tmp_path / "broken.pdf", TOKEN
@@ -216,8 +217,14 @@ def test_errors_are_shown_as_the_api_reports_them(server, browser, tmp_path, cas
     elif case == "too large":
         path, key = tmp_path / "big.pdf", TOKEN
         path.write_bytes(b"%PDF-1.7\n" + b"0" * (UPLOAD_LIMIT + 1))
-    else:
+    elif case == "wrong key":
         path, key = PDF, "not-the-key"
+    else:
+        # the queue holds one job (--max-queued-jobs 1): a 14-page job takes it while the page uploads
+        path, key = PDF, TOKEN
+        r = httpx.post(f"{server.url}/api/v2/ocr/jobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60,
+                       files={"file": ("long.pdf", (PDFS / "pdftotext_two_column_issue.pdf").read_bytes())})
+        assert r.status_code == 200, r.text
     # a refused upload: the API's answer to the same request; a failed job: its errorMsg
     api_says = None if case == "corrupt" else _submit_error(server, path.name, path.read_bytes(), key)
 
@@ -238,5 +245,5 @@ def test_errors_are_shown_as_the_api_reports_them(server, browser, tmp_path, cas
     else:
         assert job is None            # refused at submit: no job was made
     assert api_says and api_says in error, (api_says, error)
-    hint = {"corrupt": "the job failed", "too large": "HTTP 413", "wrong key": "HTTP 401"}[case]
+    hint = {"corrupt": "the job failed", "too large": "HTTP 413", "wrong key": "HTTP 401", "queue full": "HTTP 429"}[case]
     assert hint in error
