@@ -17,7 +17,8 @@ setup(
     package_data={"fastdeploy_ext.conformance": ["reference_data/*.json", "reference_data/*/*"],
                   "fastdeploy_ext.models.pp_doclayout_v2": ["reference_data/*"],
                   "backends.cuda": ["capabilities.yaml"], "backends.metax": ["capabilities.yaml"],
-                  "backends.cpu_amx": ["capabilities.yaml"]},
+                  "backends.cpu_amx": ["capabilities.yaml"],
+                  "fastdeploy_ext.entrypoints.openai.ui": ["index.html"]},      # `serve`'s /ui page
     install_requires=[
         "torch>=2.11,<2.14",
         "numpy",
@@ -44,6 +45,8 @@ setup(
         # the OpenAI-compatible server (`fastdeploy-ext serve`): FastAPI on uvicorn, Prometheus
         # metrics, httpx for http(s) image URLs and for `bench serve`'s load generator
         "serve": SERVE,
+        # `bench parse --plots DIR`: the stage breakdown and GPU-busy timeline as PNG charts
+        "plots": ["matplotlib>=3.7"],
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
         # interpreter-mode tests on the CPU; the server tests drive the server with `openai`;
         # hypothesis runs the property tests (fixed seeds and example counts).
@@ -54,6 +57,7 @@ setup(
                  # the job API's tests drive it with paddleocr's own API client (its files from
                  # the paddleocr==3.7.0 wheel), which needs these two
                  "requests>=2.28", "aiohttp>=3.9",
+                 "matplotlib>=3.7",     # bench parse --plots
                  *SERVE],
     },
     entry_points={

@@ -4,7 +4,9 @@
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
 #   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill] [deepseek]
-#   [parse]
+#   [parse] [parseplots]
+#   (parseplots: bench parse at the released sizes, dummy weights, with --plots: its stage and GPU-busy
+#   charts into $OUT/parse_plots; matplotlib must be importable there, e.g. its wheels in .whl)
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
 #   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
 #   inter-token gaps of running requests, with mixed steps off and on; deepseek: bench vision and
@@ -85,6 +87,11 @@ if [[ $steps == *" deepseek "* ]]; then
   timeout 300 $FDX bench generate --load-format dummy --model-family deepseek_ocr2 --device cuda \
     --workloads page1,pages64 --pages 16 --page-tokens 256 --page1-tokens 128 --ref-batch 4 \
     --json-out "$OUT/bench_generate_deepseek.json" >> "$log" 2>&1
+fi
+if [[ $steps == *" parseplots "* ]]; then
+  echo "### bench parse --plots" >> "$log"
+  timeout ${PARSE_TIMEOUT:-300} $FDX bench parse --load-format dummy --layout-load-format dummy --device cuda \
+    --dtype bfloat16 --pages ${PARSE_PAGES:-64} --plots "$OUT/parse_plots" >> "$log" 2>&1
 fi
 # serve: our server with mixed steps off (ours) and on (ours_b, SERVE_COMPARE_ARGS; empty: one
 # run) behind the same requests; then each side's req/s, TTFT P95 and client-side inter-token

@@ -56,9 +56,10 @@ class Leg:
     allow_skips: bool = False
     pending: str | None = None
     family: str | None = None                     # conformance legs: --fdx-family (default family if None)
+    setup: str | None = None                      # a script run before the tests (e.g. installs a browser)
 
     FIELDS = ("name", "device", "runs", "hosts", "budget_s", "backend", "paths", "plan", "env",
-              "block_transformers", "allow_skips", "pending", "family")
+              "block_transformers", "allow_skips", "pending", "family", "setup")
 
     @property
     def slug(self) -> str:
@@ -110,7 +111,10 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
                   backend=d.get("backend"), paths=tuple(d.get("paths") or ()), plan=plan,
                   env={k: str(v) for k, v in (d.get("env") or {}).items()},
                   block_transformers=bool(d.get("block_transformers", False)),
-                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"))
+                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"),
+                  setup=d.get("setup"))
+        if leg.setup is not None and not (ROOT / leg.setup).is_file():
+            raise MatrixError(f"leg {name}: setup {leg.setup} is not a file of the repository")
         RUNS[leg.runs].check(leg)
         legs.append(leg)
     return Matrix(legs, int(data["cpu_budget_total_s"]), int(data["gpu_budget_total_s"]))
@@ -252,6 +256,18 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     env["PYTHONPATH"] = os.pathsep.join(pypath + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     t0 = time.monotonic()
     with open(log_path, "w") as log:
+        if leg.setup is not None:          # inside the leg's time: what it installs is part of its cost
+            log.write(f"$ {leg.setup}\n")
+            log.flush()
+            try:
+                rc = subprocess.run([str(ROOT / leg.setup)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if rc != 0:
+                msg = f"setup {leg.setup} failed ({rc}; see {log_path.name})"
+                write_error_junit(junit, leg, msg)
+                return LegResult(leg, "FAIL", budget, time.monotonic() - t0, detail=msg)
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -184,3 +184,29 @@ def test_two_lanes_report_every_leg(tmp_path, capsys):
     rows = {line.split()[0]: line.split()[3] for line in out.split("leg ", 1)[1].splitlines()[2:]
             if line.strip() and not line[0].isdigit() and len(line.split()) > 3}
     assert rows == {"good": "PASS", "bad": "FAIL", "good2": "PASS"}
+
+
+def test_a_legs_setup_runs_first_and_its_failure_fails_the_leg(tmp_path, capsys):
+    """`setup` (the cpu/ui leg installs Chromium with it) runs before the tests, in the leg's
+    environment; a setup that fails fails the leg without running its tests."""
+    ok = tmp_path / "setup_ok.sh"
+    ok.write_text(f"#!/bin/sh\necho ran > {tmp_path}/setup_ran\n")
+    bad = tmp_path / "setup_bad.sh"
+    bad.write_text("#!/bin/sh\necho no browser >&2\nexit 3\n")
+    for script in (ok, bad):
+        script.chmod(0o755)
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("with-setup", more=f", setup: {ok}") + leg("setup-fails", more=f", setup: {bad}"))
+    out = tmp_path / "j"
+    assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(out)]) == 1
+    table = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in table.splitlines() if line.startswith(("with-setup", "setup-fails"))}
+    assert rows["with-setup"].split()[3] == "PASS" and (tmp_path / "setup_ran").read_text() == "ran\n"
+    assert rows["setup-fails"].split()[3] == "FAIL" and "failed (3" in rows["setup-fails"]
+    assert "no browser" in (out / "setup-fails.log").read_text()
+    assert ET.parse(out / "setup-fails.xml").getroot().find("testcase/error") is not None
+    # a setup that is not a file is a matrix error, before anything runs
+    missing = _write(tmp_path, "cpu_budget_total_s: 60\ngpu_budget_total_s: 60\nlegs:\n"
+                     + leg("x", more=f", setup: {tmp_path}/nope.sh"))
+    with pytest.raises(run_matrix.MatrixError, match="setup .* is not a file"):
+        run_matrix.load_matrix(missing)

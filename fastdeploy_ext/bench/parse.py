@@ -51,6 +51,7 @@ class BenchParseOptions:
     baseline: bool = True
     warmup_pages: int = 2
     json: bool = False
+    plots: str | None = None              # a directory for the report's PNG charts (bench/parse_plots.py)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-baseline", action="store_true", help="ours only (no PaddleX-style run)")
     g.add_argument("--warmup-pages", type=int, default=2, help="pages run once before timing (compiles, warms up)")
     g.add_argument("--json", action="store_true", help="one JSON object")
+    g.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write the stage breakdown and the GPU-busy timeline as PNG charts into DIR "
+                        "(needs matplotlib: the [plots] extra)")
 
 
 def options_from_args(ns: argparse.Namespace) -> BenchParseOptions:
@@ -72,7 +76,7 @@ def options_from_args(ns: argparse.Namespace) -> BenchParseOptions:
     if ns.pdf is not None and not Path(ns.pdf).is_dir():
         raise BenchError(f"--pdf {ns.pdf}: not a directory")
     return BenchParseOptions(pages=pages, pdf=ns.pdf, seed=ns.seed, baseline=not ns.no_baseline,
-                             warmup_pages=max(ns.warmup_pages, 0), json=ns.json)
+                             warmup_pages=max(ns.warmup_pages, 0), json=ns.json, plots=getattr(ns, "plots", None))
 
 
 # ------------------------------------------------------------------ the pages
@@ -119,6 +123,7 @@ class _Meter:
         self.read = make() if callable(make) else None
         self.runner = runner
         self.samples: list[float] = []
+        self.sample_t: list[float] = []       # seconds into the run of each sample (--plots' timeline)
         self._stop = threading.Event()
 
     def __enter__(self):
@@ -135,7 +140,9 @@ class _Meter:
     def _run(self):
         while not self._stop.wait(0.05):
             try:
-                self.samples.append(float(self.read()))
+                busy = float(self.read())
+                self.sample_t.append(time.perf_counter() - self.t0)
+                self.samples.append(busy)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -161,6 +168,7 @@ def _report(name: str, outcomes: list, times, meter: _Meter) -> dict:
             "wall_s": round(wall, 3),
             "pages_per_s": len(done) / wall, "blocks_per_s": blocks / wall, "output_tokens_per_s": toks / wall,
             "gpu_busy_pct": meter.gpu_busy, "peak_device_bytes": meter.peak_device,
+            "gpu_busy_timeline": [[round(t, 3), b] for t, b in zip(meter.sample_t, meter.samples)],
             "peak_rss_bytes": _peak_rss(),
             "stages_s": {k: round(v, 3) for k, v in times.as_dict().items() if k.endswith("_s")},
             "errors": sorted({str(o.error) for o in failed})[:5]}
@@ -357,7 +365,14 @@ def run(opts, bench: BenchParseOptions, models: tuple | None = None) -> dict:
 
 
 def run_cli(opts, bench: BenchParseOptions) -> int:
+    if bench.plots is not None:
+        from .parse_plots import _pyplot
+        _pyplot()                          # no matplotlib: say so before the run, not after it
     report = run(opts, bench)
+    if bench.plots is not None:
+        from .parse_plots import write_plots
+        for path in write_plots(report, bench.plots):
+            log.info("bench parse: wrote %s", path)
     if bench.json:
         print(json.dumps(report))
         return 0

@@ -56,6 +56,8 @@ def add_parse_commands(sub, command_parser) -> None:
     p.add_argument("--pages", default=None, metavar="R", help='1-based pages per document, e.g. "1-3,7" or "5-"')
     p.add_argument("--jsonl-shards", type=int, default=None, metavar="N",
                    help="one JSON line per page in N shards instead of per-page files (bulk runs)")
+    p.add_argument("--visualize", action="store_true",
+                   help="per page a PNG of its layout (<stem>_0001_layout.png: boxes, reading order, labels)")
     p.add_argument("--retry-failed", action="store_true", help="redo pages an earlier run recorded as failed")
     p.add_argument("--workers", type=int, default=1, help="engine processes on this host, fed from one manifest")
     p.add_argument("--gpus", default=None, metavar="0,1", help="CUDA devices of the workers, one per worker")
@@ -112,7 +114,7 @@ def parse_options_from_args(ns: argparse.Namespace, *, output: str | None, defau
                             retry_failed=getattr(ns, "retry_failed", False), workers=workers, gpus=gpus,
                             render_workers=ns.render_workers, layout_batch=ns.layout_batch,
                             layout_threshold=ns.layout_threshold, block_max_pixels=ns.block_max_pixels,
-                            planted_layouts=ns.planted_layouts, stub_vlm=stub,
+                            planted_layouts=ns.planted_layouts, stub_vlm=stub, visualize=getattr(ns, "visualize", False),
                             lease_ttl_s=getattr(ns, "lease_ttl", 60.0), lease_pages=getattr(ns, "lease_pages", 4),
                             engine=engine)
         opts.validate()

@@ -43,6 +43,7 @@ class ParseOptions:
     planted_layouts: str | None = None       # a planted-layout JSON file (benchmarks, tests)
     planted_decode: bool = False             # each block decodes its kind's planted length (random weights)
     stub_vlm: bool = False
+    visualize: bool = False                  # per page a layout picture beside its Markdown (visualize.py)
     lease_ttl_s: float = 60.0                # --workers: a silent worker's pages go back after this
     lease_pages: int = 4                     # --workers: pages per lease
     engine: object | None = None             # engine.config.EngineConfig (engine and plan flags)
@@ -69,7 +70,8 @@ class ParseOptions:
         return PipelineOptions(max_pages_in_flight=self.max_pages_in_flight, layout_batch=self.layout_batch,
                                layout_threshold=self.layout_threshold, dpi=self.dpi,
                                max_new_tokens=self.max_new_tokens, block_max_pixels=self.block_max_pixels,
-                               stub_vlm=self.stub_vlm, planted_decode=self.planted_decode)
+                               stub_vlm=self.stub_vlm, planted_decode=self.planted_decode,
+                               visualize=self.visualize)
 
     def fingerprint(self) -> dict:
         """What the outputs depend on (a rerun with another fingerprint on the same workspace is
@@ -79,7 +81,9 @@ class ParseOptions:
                 "chart_recognition": self.chart_recognition, "seal_recognition": self.seal_recognition,
                 "max_new_tokens": self.max_new_tokens, "block_max_pixels": self.block_max_pixels,
                 "layout_threshold": self.layout_threshold, "stub_vlm": self.stub_vlm,
-                "planted_layouts": _file_sha(self.planted_layouts)}
+                "planted_layouts": _file_sha(self.planted_layouts),
+                # only when on: a workspace made before the option existed keeps its fingerprint
+                **({"visualize": True} if self.visualize else {})}
 
 
 def _model_id(path: str | None, load_format: str) -> str:

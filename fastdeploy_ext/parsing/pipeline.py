@@ -107,6 +107,8 @@ class PipelineOptions:
     # the repetition guard sees a loop); benches fix each block's length by its kind instead
     # (synthetic.PLANTED_TOKENS), as bench generate plants its output lengths
     planted_decode: bool = False
+    # keep each page's image until its write, to draw its layout picture (visualize.py)
+    visualize: bool = False
 
     def validate(self) -> None:
         for name in ("max_pages_in_flight", "layout_batch", "dpi", "max_new_tokens"):
@@ -287,6 +289,7 @@ class _Page:
     job: PageJob
     t_submit: float
     rendered: object | None = None           # render.RenderedPage (dropped after crops)
+    image: np.ndarray | None = None          # the page's pixels, kept only for its layout picture
     meta: object | None = None                # assemble.PageMeta
     results: list = field(default_factory=list)
     crops: dict = field(default_factory=dict)
@@ -485,6 +488,7 @@ class Pipeline:
                 if task.kind is BlockKind.IMAGE:
                     page.crops[task.block.order] = crop_block(r.image, task)
                 page.results[i] = BlockResult(task, "")
+        page.image = r.image if self.opts.visualize else None
         page.rendered = None           # the page image is not needed any more: only its crops
         page.remaining = len(vlm)
         self.times.post_s += time.perf_counter() - t0
@@ -553,6 +557,10 @@ class Pipeline:
                 t0 = time.perf_counter()
                 try:
                     outcome.result = assemble_page(page.meta, page.results, page.crops, self.image_prefix(job))
+                    if page.image is not None:
+                        from .visualize import add_layout_picture
+                        add_layout_picture(outcome.result, page.image, [r.task.block for r in page.results],
+                                           self.image_prefix(job))
                 except Exception as e:  # noqa: BLE001
                     page.error = _as_page_error(e, "assemble")
                 t.assemble_s += time.perf_counter() - t0
@@ -572,7 +580,7 @@ class Pipeline:
                 t.blocks += outcome.blocks
                 t.output_tokens += outcome.output_tokens
             t.write_s += time.perf_counter() - t0
-            page.crops, page.results = {}, []
+            page.crops, page.results, page.image = {}, [], None
             self._out.put(outcome)
             with self._lock:
                 self._open -= 1

@@ -288,6 +288,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.jobs is not None:
         state.jobs.mount(app)
+    from .ui import mount as mount_ui      # /ui: the page over the job API (it says when the API is off)
+    mount_ui(app)
     return Gate(app, state)
 
 

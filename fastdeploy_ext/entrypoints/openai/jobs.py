@@ -287,7 +287,8 @@ class JobService:
             p = d / "result.jsonl"
         else:
             parts = Path(rel).parts
-            if not parts or parts[0] != "imgs" or ".." in parts or Path(rel).is_absolute():
+            layout_picture = len(parts) == 1 and rel.endswith("_layout.png")     # visualize: beside the page
+            if not (layout_picture or parts and parts[0] == "imgs") or ".." in parts or Path(rel).is_absolute():
                 return None
             p = d / "ws" / rel
         return p if p.is_file() else None
@@ -529,7 +530,8 @@ def _result_lines(ws_dir: Path, stem: str, st, opts) -> tuple[list[dict], list[s
                 rel = f"imgs/{img.name}"
                 images[img.name] = rel
                 text = text.replace(rel, img.name)
-            item = {"prunedResult": record, "markdown": {"text": text, "images": images}, "outputImages": {}}
+            shown = {"layout_det_res": f"{tag}_layout.png"} if (ws_dir / f"{tag}_layout.png").is_file() else {}
+            item = {"prunedResult": record, "markdown": {"text": text, "images": images}, "outputImages": shown}
             size = {"width": record.get("width"), "height": record.get("height")}
         else:
             e = failed.get(page, {"stage": "unknown", "message": "the page has no result"})

@@ -110,7 +110,7 @@ OPTION_RULES: dict[str, OptionRule] = {
     "relevelTitles": OptionRule(_is(False), "relevelling titles is not implemented"),
     "returnMarkdownImages": OptionRule(_is(True), "returnMarkdownImages false is not implemented"),
     "outputFormats": OptionRule(lambda v: False, "outputFormats is not implemented (results are JSON Lines)"),
-    "visualize": OptionRule(_is(False), "visualization images are not implemented"),
+    "visualize": OptionRule(_BOOL, "", lambda v: {"visualize": v}),   # outputImages.layout_det_res
 }
 
 
@@ -350,9 +350,9 @@ class JobRoutes:
                 continue
             obj = json.loads(line)
             for item in obj["result"]["layoutParsingResults"]:
-                imgs = item["markdown"]["images"]
-                for k, rel in imgs.items():
-                    imgs[k] = self.result_url(request, rec, rel)
+                for imgs in (item["markdown"]["images"], item["outputImages"]):
+                    for k, rel in imgs.items():
+                        imgs[k] = self.result_url(request, rec, rel)
             out.append(json.dumps(obj, ensure_ascii=False))
         return Response("\n".join(out) + "\n", media_type="application/jsonl")
 
@@ -425,10 +425,10 @@ class JobRoutes:
                 continue
             res = json.loads(line)["result"]
             for item in res["layoutParsingResults"]:
-                imgs = item["markdown"]["images"]
-                for k, rel in imgs.items():
-                    f = self.service.result_path(rec, rel)
-                    imgs[k] = base64.b64encode(f.read_bytes()).decode() if f else ""
+                for imgs in (item["markdown"]["images"], item["outputImages"]):
+                    for k, rel in imgs.items():
+                        f = self.service.result_path(rec, rel)
+                        imgs[k] = base64.b64encode(f.read_bytes()).decode() if f else ""
                 pages.append(item)
             d = res["dataInfo"]
             if d.get("type") == "pdf":
