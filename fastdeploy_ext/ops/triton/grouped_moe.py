@@ -113,8 +113,9 @@ def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     e_pad = 16
     while e_pad < num_experts:
         e_pad *= 2
+    launch = {} if _interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
     _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
-                            CHUNK=ALIGN_CHUNK)
+                            CHUNK=ALIGN_CHUNK, **launch)
     return rows, block_expert
 
 
