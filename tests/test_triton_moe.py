@@ -250,7 +250,7 @@ def test_interp_grouping_kernel_equals_the_torch_ops(t, k, e, block_m):
     assert got[0].dtype == want[0].dtype == torch.int32
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     auto = gm.align_by_expert(idx, e, block_m)
-    assert torch.equal(auto[0], want[0]) and t * k <= gm.ALIGN_KERNEL_MAX_ROWS
+    assert torch.equal(auto[0], want[0]) and torch.equal(auto[1], want[1])
 
 
 @interp
@@ -374,7 +374,7 @@ def test_cuda_bf16_released_shape_matches_fp32_aten(t):
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 64, 128, 600])
+@pytest.mark.parametrize("t", [1, 64, 128, 600])      # 600 x 6 rows: past ALIGN_KERNEL_MAX_ROWS, forced here
 def test_cuda_grouping_kernel_equals_the_torch_ops(t):
     e, k = RELEASED["e"], RELEASED["k"]
     _, idx = _routing(t, k, e, seed=t, device="cuda")

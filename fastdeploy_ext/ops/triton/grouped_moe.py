@@ -59,10 +59,11 @@ def grouped_capacity(assignments: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-#: batches of at most this many token x expert rows are grouped by one single-program Triton
-#: kernel (decode: one launch instead of ~20 small torch ops per layer); larger ones by torch ops
-#: (prefill: each op is wide there, while one program would loop over every row)
-ALIGN_KERNEL_MAX_ROWS = 4096
+#: batches of at most this many token x expert rows (170 tokens at top-6) are grouped by one
+#: single-program Triton kernel (decode: one launch instead of ~20 small torch ops per layer);
+#: larger ones by torch ops (prefill: each op is wide there, while one program loops over every
+#: row). Not measured yet: bench.moe times both ways per batch size
+ALIGN_KERNEL_MAX_ROWS = 1024
 ALIGN_CHUNK = 128
 
 
