@@ -1,13 +1,14 @@
-"""Triton grouped-GEMM mixture of experts: the routed experts of a SwiGLU MoE in two launches.
+"""Triton grouped-GEMM mixture of experts: the routed experts of a SwiGLU MoE in two GEMM launches.
 
 The token x expert assignments (T tokens x k experts each: M = T*k rows) are grouped by expert
 on the device (:func:`align_by_expert`): the rows in expert order (stable), each expert's run
 padded up to a multiple of the row block ``block_m``, so every block of ``block_m`` rows belongs
 to one expert. One single-program kernel does it for decode-sized batches, fixed-shape torch
 ops (a count by scatter, cumulative sums, a sort, a searchsorted) for larger ones: no value is
-read back to the host, so a decode step that runs it can be captured in a CUDA graph. The buffer of grouped rows has a static capacity (each non-empty expert wastes
-at most ``block_m - 1`` padding rows); blocks past the used part carry the expert id E and
-return at once.
+read back to the host, so a decode step that runs it can be captured in a CUDA graph. The
+buffer of grouped rows has a static capacity (each non-empty expert wastes at most
+``block_m - 1`` padding rows); blocks past the used part carry the expert id E and return at
+once.
 
 Then two grouped GEMMs, each program one (row block, column block) of one expert:
 - gate/up: h = silu(x @ gate_e^T) * (x @ up_e^T) with both halves of the stacked [E, 2I, H]
