@@ -29,6 +29,7 @@ from .vision import Projections, RMSNorm, SwiGLU
 
 log = logging.getLogger(__name__)
 
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     pos = positions.reshape(-1).float()
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
