@@ -132,6 +132,39 @@ def test_backends_are_registered_in_preference_order():
     assert not ok and "CUDA" in why
 
 
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The compiled path's kernels lower to sm90 machine code (triton.compile with its bundled
+    ptxas: no GPU needed) at the decode tiles in bf16, so a CUDA-only type or layout error shows
+    on the CPU CI too; the CUDA tests run them."""
+    if rt.triton is None or rt.TRITON_INTERPRETED:
+        pytest.skip("needs triton in compiled mode")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    cfg = gm.pick_blocks(6, 64)
+    tiles = {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k, "DOT_PREC": "tf32", "s_wk": 1}
+    gemm = {"ROWS": "*i32", "BLOCK_EXPERT": "*i32", "M": "i32", "K": "i32", "N": "i32", "E": "i32",
+            "s_we": "i32", "s_wn": "i32", "s_wk": "constexpr", **{k: "constexpr" for k in ("BM", "BN", "BK", "DOT_PREC")}}
+    kernels = {
+        "gate_up": ({"X": "*bf16", "W": "*bf16", "H": "*bf16", "TOPK": "i32", "s_xt": "i32", "s_ht": "i32", **gemm},
+                    tiles, 4),
+        "down": ({"H": "*bf16", "W": "*bf16", "RW": "*fp32", "Y": "*bf16", "s_ht": "i32", "s_yt": "i32", **gemm},
+                 tiles, 4),
+        "align": ({"IDS": "*i64", "ROWS": "*i32", "BLOCK_EXPERT": "*i32", "M": "i32", "CAP": "i32",
+                   **{k: "constexpr" for k in ("E", "E_PAD", "BM", "CHUNK")}},
+                  {"E": 64, "E_PAD": 64, "BM": cfg.block_m, "CHUNK": gm.ALIGN_CHUNK}, 8),
+    }
+    for name, (sig, consts, warps) in kernels.items():
+        fn = gm._KERNELS[name]
+        order = fn.arg_names
+        sig = {a: sig[a] for a in order}                     # the kernel's own argument order
+        try:
+            out = rt.triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+        except (FileNotFoundError, PermissionError) as e:      # no bundled ptxas in this triton build
+            pytest.skip(f"no CUDA toolchain in this triton: {e}")
+        assert out.asm.get("cubin"), name
+
+
 # ------------------------------------------------------------------ the plan
 def _plan(row_name: str, dtype: str | None, triton_present: bool):
     from fastdeploy_ext.capabilities import capability_table
@@ -217,7 +250,7 @@ def test_interp_grouping_kernel_equals_the_torch_ops(t, k, e, block_m):
     assert got[0].dtype == want[0].dtype == torch.int32
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     auto = gm.align_by_expert(idx, e, block_m)
-    assert torch.equal(auto[0], want[0]) and t * k <= gm.ALIGN_KERNEL_MAX_ROWS
+    assert torch.equal(auto[0], want[0]) and torch.equal(auto[1], want[1])
 
 
 @interp
@@ -341,7 +374,7 @@ def test_cuda_bf16_released_shape_matches_fp32_aten(t):
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 64, 128, 600])
+@pytest.mark.parametrize("t", [1, 64, 128, 600])      # 600 x 6 rows: past ALIGN_KERNEL_MAX_ROWS, forced here
 def test_cuda_grouping_kernel_equals_the_torch_ops(t):
     e, k = RELEASED["e"], RELEASED["k"]
     _, idx = _routing(t, k, e, seed=t, device="cuda")

@@ -1,10 +1,11 @@
 """`python3 -m fastdeploy_ext.bench.moe`: DeepSeek-OCR-2's MoE layer, ours vs the alternatives.
 
 One MoE layer of the decoder at its real shape (hidden 1280, 64 routed experts of width 896,
-top-6 softmax without renormalisation, 2 shared experts; random weights, the same in every
-column) for decode-sized (1, 64, 128 tokens) and prefill-sized (4096) batches:
+top-6 softmax without renormalisation, 2 shared experts; random weights as ``--load-format
+dummy`` draws them, the same in every column) for decode-sized (1, 64, 128 tokens) and prefill-sized (4096) batches:
 
-- ``ours``: the layer with the ``triton_moe`` backend (the grouped GEMM, ops/triton/grouped_moe.py);
+- ``ours``: the family decoder's MoE layer with the ``triton_moe`` backend (the grouped GEMM,
+  ops/triton/grouped_moe.py);
 - ``aten_moe``: the same layer with the ATen experts (the fallback);
 - ``tf_loop``: transformers' DeepseekOcr2TextMoe with its default experts (a Python loop over the
   experts that receive tokens; it reads the hit experts back to the host);
@@ -14,9 +15,9 @@ column) for decode-sized (1, 64, 128 tokens) and prefill-sized (4096) batches:
 Each column times the whole layer (router, routed experts, shared experts) eagerly; ``ours`` and
 ``aten_moe`` are also timed as one CUDA graph replay (the decode step runs in graphs; the
 transformers loop cannot be captured). Ratios are the other's time over ours (> 1: ours faster).
-Before timing, every column's output is compared with ours (cosine). On CUDA the grouping of
+Before timing, every column's output is compared with ours (cosine). Where the device has graphs the grouping of
 rows by expert is also timed alone (graphed), torch ops vs the one-program kernel. Times are
-medians of CUDA event timings (host timer on the CPU). Nothing here asserts a time.
+medians of CUDA event timings (the device API's timer). Nothing here asserts a time.
 """
 from __future__ import annotations
 
@@ -45,27 +46,27 @@ DEFAULT_TOKENS = (1, 64, 128, 4096)
 
 
 def build_layers(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """(our MoE layer, transformers' DeepseekOcr2TextMoe with the same weights or None, why not)."""
-    from ..models.deepseek_ocr2.config import TextConfig
-    from ..models.deepseek_ocr2.text import MoE
-    c = TextConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.width, n_routed_experts=shape.experts,
-                   num_experts_per_tok=shape.top_k, n_shared_experts=shape.shared)
-    torch.manual_seed(seed)
-    ours = MoE(c)
-    with torch.no_grad():
-        ours.gate.weight.normal_(0, shape.hidden ** -0.5)
-        ours.gate_up.normal_(0, shape.hidden ** -0.5)
-        ours.down.normal_(0, shape.width ** -0.5)
-        for lin in (ours.shared_experts.gate_proj, ours.shared_experts.up_proj):
-            lin.weight.normal_(0, shape.hidden ** -0.5)
-        ours.shared_experts.down_proj.weight.normal_(0, (shape.width * shape.shared) ** -0.5)
-    ours = ours.to(device, dtype)
-    ours.gate.float()                          # the loader keeps the router in fp32
+    """(our MoE layer, transformers' DeepseekOcr2TextMoe with the same weights or None, why not).
+    Ours is the family's own decoder (through the model-family seam: one MoE layer, random
+    weights as ``--load-format dummy`` draws them), so the layer timed is the one the engine runs."""
+    import dataclasses
+
+    from ..models.registry import get_family
+    family = get_family("deepseek_ocr2")
+    cfg = family.default_config()
+    heads = 10 if shape.hidden % 10 == 0 else 4
+    text = dataclasses.replace(cfg.text, hidden_size=shape.hidden, moe_intermediate_size=shape.width,
+                               n_routed_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                               n_shared_experts=shape.shared, num_hidden_layers=1, first_k_dense=0,
+                               num_attention_heads=heads, num_key_value_heads=heads, vocab_size=256)
+    decoder, _ = family.load_text(None, dtype=dtype, device=device, model_format="auto",
+                                  cfg=dataclasses.replace(cfg, text=text))
+    ours = decoder.layers[0].mlp
     try:
         from transformers.models.deepseek_ocr2.configuration_deepseek_ocr2 import DeepseekOcr2TextConfig
         from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2TextMoe
     except Exception as e:  # noqa: BLE001 - any import failure: no transformers columns
-        return ours, None, f"transformers' DeepSeek-OCR-2 not importable ({type(e).__name__}: {e})"
+        return decoder, ours, None, f"transformers' DeepSeek-OCR-2 not importable ({type(e).__name__}: {e})"
     tc = DeepseekOcr2TextConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.width,
                                 num_experts=shape.experts, num_experts_per_tok=shape.top_k,
                                 n_shared_experts=shape.shared, topk_method="greedy", routed_scaling_factor=1.0)
@@ -78,25 +79,17 @@ def build_layers(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(ref.shared_experts, name).weight.copy_(getattr(ours.shared_experts, name).weight.float().cpu())
     ref = ref.to(device, dtype)
-    ref.gate.float()
-    return ours, ref, ""
+    ref.gate.float()                           # the router in fp32, as ours (the loader keeps it so)
+    return decoder, ours, ref, ""
 
 
-def _graphed(fn, device: torch.device):
-    """fn captured in one CUDA graph (warmed up on a side stream first): its replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+def _graphed(fn, api):
+    """fn captured in one graph by the device API (warmed up on a side stream first): its replay."""
+    graph, _ = api.capture_graph(fn, api.graph_pool(), stream=api.new_stream())
     return graph.replay
 
 
-def _grouping_times(moe, x, device, warmup: int, iters: int, api) -> dict[str, float]:
+def _grouping_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
     """The device-side grouping alone, graphed: torch ops vs the single-program kernel (which
     align_by_expert picks up to ALIGN_KERNEL_MAX_ROWS rows)."""
     from ..ops.triton.grouped_moe import align_by_expert, pick_blocks
@@ -104,7 +97,7 @@ def _grouping_times(moe, x, device, warmup: int, iters: int, api) -> dict[str, f
     e = moe.gate_up.shape[0]
     bm = pick_blocks(idx.numel(), e).block_m
     return {f"group_{name}_graph": median_ms(_graphed(lambda kernel=kernel: align_by_expert(idx, e, bm, kernel=kernel),
-                                                      device), warmup, iters, api)
+                                                      api), warmup, iters, api)
             for name, kernel in (("torch", False), ("kernel", True))}
 
 
@@ -112,7 +105,7 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
         graphs: bool) -> list[dict]:
     from ..ops.moe import BUILTIN_MOE_BACKENDS
     backends = {b.name: b for b in BUILTIN_MOE_BACKENDS}
-    ours, ref, ref_why = build_layers(shape, dtype, device)
+    decoder, ours, ref, ref_why = build_layers(shape, dtype, device)
     triton_ok, triton_why = backends["triton_moe"].available(device)
     api = device_api_for(device)
     rows = []
@@ -123,7 +116,7 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
 
         def layer(backend):
             def call():
-                ours.backend = backends[backend]
+                decoder.moe_experts = backends[backend]
                 return ours(x)
             return call
 
@@ -153,13 +146,13 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
                     del fns[name]
             for name, fn in fns.items():
                 cols[name] = median_ms(fn, warmup, iters, api)
-            if graphs and device.type == "cuda":
+            if graphs and api.supports_graphs:
                 for name in ("ours", "aten_moe"):
                     if name in fns:
-                        cols[f"{name}_graph"] = median_ms(_graphed(fns[name], device), warmup, iters, api)
-            if triton_ok and graphs and device.type == "cuda":
-                cols.update(_grouping_times(ours, x, device, warmup, iters, api))
-        ours.backend = backends["aten_moe"]
+                        cols[f"{name}_graph"] = median_ms(_graphed(fns[name], api), warmup, iters, api)
+                if triton_ok:
+                    cols.update(_grouping_times(ours, x, warmup, iters, api))
+        decoder.moe_experts = backends["aten_moe"]
         ref_time = cols.get("ours")
         ratios = {f"{k}/ours": cols[k] / ref_time for k in ("aten_moe", "tf_loop", "tf_grouped_mm")
                   if ref_time and k in cols}
@@ -200,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="released", choices=("released", "tiny"))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-graphs", action="store_true", help="skip the CUDA graph columns")
+    p.add_argument("--no-graphs", action="store_true", help="skip the graph columns")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     try:

@@ -1,4 +1,5 @@
-"""DeepSeek-OCR-2's decoder (DeepSeek3B-MoE-A570M) over a flat token batch, eager ATen ops.
+"""DeepSeek-OCR-2's decoder (DeepSeek3B-MoE-A570M) over a flat token batch: eager ATen layers, the
+routed experts through the plan's MoE backend.
 
 Plain multi-head attention (no MLA) with 1D NeoX rope, pre-norm RMSNorm layers; the first
 ``first_k_dense`` layers have a dense SwiGLU MLP, the others a mixture of experts: a softmax
@@ -27,6 +28,7 @@ from .config import TextConfig
 from .vision import Projections, RMSNorm, SwiGLU
 
 log = logging.getLogger(__name__)
+
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     pos = positions.reshape(-1).float()

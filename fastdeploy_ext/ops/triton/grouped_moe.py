@@ -1,13 +1,14 @@
-"""Triton grouped-GEMM mixture of experts: the routed experts of a SwiGLU MoE in two launches.
+"""Triton grouped-GEMM mixture of experts: the routed experts of a SwiGLU MoE in two GEMM launches.
 
 The token x expert assignments (T tokens x k experts each: M = T*k rows) are grouped by expert
 on the device (:func:`align_by_expert`): the rows in expert order (stable), each expert's run
 padded up to a multiple of the row block ``block_m``, so every block of ``block_m`` rows belongs
 to one expert. One single-program kernel does it for decode-sized batches, fixed-shape torch
 ops (a count by scatter, cumulative sums, a sort, a searchsorted) for larger ones: no value is
-read back to the host, so a decode step that runs it can be captured in a CUDA graph. The buffer of grouped rows has a static capacity (each non-empty expert wastes
-at most ``block_m - 1`` padding rows); blocks past the used part carry the expert id E and
-return at once.
+read back to the host, so a decode step that runs it can be captured in a CUDA graph. The
+buffer of grouped rows has a static capacity (each non-empty expert wastes at most
+``block_m - 1`` padding rows); blocks past the used part carry the expert id E and return at
+once.
 
 Then two grouped GEMMs, each program one (row block, column block) of one expert:
 - gate/up: h = silu(x @ gate_e^T) * (x @ up_e^T) with both halves of the stacked [E, 2I, H]
@@ -59,10 +60,11 @@ def grouped_capacity(assignments: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-#: batches of at most this many token x expert rows are grouped by one single-program Triton
-#: kernel (decode: one launch instead of ~20 small torch ops per layer); larger ones by torch ops
-#: (prefill: each op is wide there, while one program would loop over every row)
-ALIGN_KERNEL_MAX_ROWS = 4096
+#: batches of at most this many token x expert rows (170 tokens at top-6) are grouped by one
+#: single-program Triton kernel (decode: one launch instead of ~20 small torch ops per layer);
+#: larger ones by torch ops (prefill: each op is wide there, while one program loops over every
+#: row). Not measured yet: bench.moe times both ways per batch size
+ALIGN_KERNEL_MAX_ROWS = 1024
 ALIGN_CHUNK = 128
 
 
@@ -113,8 +115,9 @@ def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     e_pad = 16
     while e_pad < num_experts:
         e_pad *= 2
+    launch = {} if _interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
     _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
-                            CHUNK=ALIGN_CHUNK)
+                            CHUNK=ALIGN_CHUNK, **launch)
     return rows, block_expert
 
 
