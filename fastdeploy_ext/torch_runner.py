@@ -92,6 +92,9 @@ class TorchRunner(DeviceRunner):
             return GraphReport(captured=0, reason=self.plan.graphs.reason)
         self._require_model()
         self.graphs = self.family.encoder_graphs(self, self.plan.graphs.value)
+        if self.graphs is None:
+            from .graphs import EncoderGraphs
+            self.graphs = EncoderGraphs(self, self.plan.graphs.value, self.plan.graph_split_oversize)
         return self.graphs.capture()
 
     # ------------------------------------------------------------ construction

@@ -63,7 +63,7 @@ WORKLOADS = {w.name: w for w in (
 
 
 def _relpos_inputs(w: Workload, dtype, device, configs):
-    from ..models.deepseek_ocr2.vision import rel_pos_table
+    from ..ops.attention.biased import rel_pos_table
     g = torch.Generator(device=device).manual_seed(0)
     n, b, h, d = w.side * w.side, w.batch, SAM_HEADS, HEAD_DIM
     qkv = torch.randn(b, n, 3, h, d, generator=g, device=device, dtype=dtype)
@@ -89,27 +89,34 @@ def _prefix_inputs(w: Workload, dtype, device, configs):
     return (lambda: SDPA_MASK(q, k, v, mask)), (lambda: TRITON_PREFIX_CAUSAL(q, k, v, state)), tuned
 
 
-def _peak_mib(fn) -> float:
+def _peak_mib(api, fn) -> float:
     """Memory one call adds at its peak (the output included), MiB."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    api.synchronize()
+    base = api.allocated_bytes()
+    api.reset_peak_allocated()
     out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    api.synchronize()
+    peak = api.peak_allocated_bytes() - base
     del out
     return peak / 2 ** 20
 
 
+#: the kernels are CUDA Triton kernels; the device API does the rest (sync, memory, timing)
+DEVICE = "cuda"
+
+
+def _device_name(api) -> str:
+    return f"{api.name} {api.device}"
+
+
 def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int,
         configs: tuple[BlockConfig, ...] = ()) -> list[dict]:
-    if not torch.cuda.is_available():
-        raise SystemExit("deepseek_attention bench: needs a CUDA device")
-    ok, why = TRITON_RELPOS.available(torch.device("cuda"))
+    device = torch.device(DEVICE)
+    ok, why = TRITON_RELPOS.available(device)
     if not ok:
-        raise SystemExit(f"deepseek_attention bench: the Triton kernels cannot run: {why}")
-    api, device, rows = device_api_for("cuda"), torch.device("cuda"), []
-    print(f"{torch.cuda.get_device_name()}  dtype={str(dtype).removeprefix('torch.')}  warmup={warmup} "
+        raise SystemExit(f"deepseek_attention bench: the Triton kernels cannot run on {DEVICE}: {why}")
+    api, rows = device_api_for(DEVICE), []
+    print(f"{_device_name(api)}  dtype={str(dtype).removeprefix('torch.')}  warmup={warmup} "
           f"iters={iters}  (aten/ours > 1: ours faster)")
     print(f"{'workload':<12} {'shape':<36} {'aten ms':>9} {'ours ms':>9} {'aten/ours':>9} "
           f"{'aten MiB':>9} {'ours MiB':>9} {'max|diff|':>10}"
@@ -119,7 +126,7 @@ def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int,
         make = _relpos_inputs if w.kind == "relpos" else _prefix_inputs
         aten, ours, tuned = make(w, dtype, device, configs)
         diff = (aten().float() - ours().float()).abs().max().item()
-        mem_a, mem_o = _peak_mib(aten), _peak_mib(ours)
+        mem_a, mem_o = _peak_mib(api, aten), _peak_mib(api, ours)
         t_a = statistics.median(call_times_ms(aten, warmup, iters, api))
         t_o = statistics.median(call_times_ms(ours, warmup, iters, api))
         t_c = [statistics.median(call_times_ms(fn, warmup, iters, api)) for fn in tuned]
@@ -129,7 +136,7 @@ def run(workloads: list[str], dtype: torch.dtype, warmup: int, iters: int,
         print(f"{name:<12} {w.what:<36} {t_a:9.3f} {t_o:9.3f} {t_a / t_o:9.2f} {mem_a:9.0f} {mem_o:9.0f} "
               f"{diff:10.2e}" + "".join(f" {t:12.3f}" for t in t_c), flush=True)
         del aten, ours, tuned
-        torch.cuda.empty_cache()
+        api.empty_cache()
     return rows
 
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "deepseek_attention.json"), "w") as f:
-            json.dump({"dtype": a.dtype, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"dtype": a.dtype, "device": _device_name(device_api_for(DEVICE)), "rows": rows}, f, indent=1)
     return 0
 
 

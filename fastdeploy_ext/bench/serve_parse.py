@@ -182,7 +182,7 @@ def served_summary(client: JobClient, statuses: list[dict], client_wall: float) 
 def run_parse_bench(o, log_dir: str) -> dict:
     from ..parsing.synthetic import synthetic_document
     from .parse import real_inputs
-    from .serve import Server
+    from .server_proc import Server
     w: ParseWorkload = o.parse
     report = {"workload": "parse", "device": o.device, "dtype": o.dtype, "model": o.model or "dummy",
               "layout_model": w.layout_model or "dummy", "jobs": w.jobs, "pages_per_job": w.pages,

@@ -198,10 +198,9 @@ class ModelFamily(Family):
 
     def encoder_graphs(self, runner: Any, paths: tuple) -> Any:
         """The runner's encoder graphs for the plan's ``paths`` (``capture() -> GraphReport``,
-        ``run(pixels, grids)`` -> the eager forward's rows, ``stats``): by default graphs.py's
-        budgets over packed patches, through graph_buffers."""
-        from ..graphs import EncoderGraphs
-        return EncoderGraphs(runner, paths, runner.plan.graph_split_oversize)
+        ``run(pixels, grids)`` -> the eager forward's rows, ``stats``). None (the default): the
+        runner's own, graphs.py's budgets over packed patches through graph_buffers."""
+        return None
 
     @abstractmethod
     def image_token_id(self, cfg: Any) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.attention.biased import SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention
+from ...ops.attention.biased import SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention, rel_pos_table
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
 from .processor import num_crops
 
@@ -90,16 +90,6 @@ class VisionMetadataBuilder:
 
 
 # ------------------------------------------------------------------ SAM
-def rel_pos_table(table: torch.Tensor, size: int) -> torch.Tensor:
-    """[size, size, head_dim]: the bias vectors of query i against key j (offset i - j), the
-    table resized linearly to 2 * size - 1 rows when it was trained for another size."""
-    n = 2 * size - 1
-    if table.shape[0] != n:
-        table = F.interpolate(table.t()[None].float(), size=n, mode="linear")[0].t().to(table.dtype)
-    idx = torch.arange(size, device=table.device)
-    return table[idx[:, None] - idx[None, :] + size - 1]
-
-
 class SamAttention(nn.Module):
     def __init__(self, c: SamConfig, window: int):
         super().__init__()

@@ -145,3 +145,13 @@ TRITON_PREFIX_CAUSAL = TritonPrefixCausal()
 #: prefix-causal kind
 BUILTIN_RELPOS_BACKENDS: tuple[RelPosAttention, ...] = (TRITON_RELPOS, SDPA_BIAS)
 BUILTIN_PREFIX_BACKENDS: tuple[PrefixCausalAttention, ...] = (TRITON_PREFIX_CAUSAL, SDPA_MASK)
+
+
+def rel_pos_table(table: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, size, head_dim]: the bias vectors of query i against key j (offset i - j), the
+    table resized linearly to 2 * size - 1 rows when it was trained for another size."""
+    n = 2 * size - 1
+    if table.shape[0] != n:
+        table = F.interpolate(table.t()[None].float(), size=n, mode="linear")[0].t().to(table.dtype)
+    idx = torch.arange(size, device=table.device)
+    return table[idx[:, None] - idx[None, :] + size - 1]
