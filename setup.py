@@ -44,6 +44,9 @@ setup(
         # the OpenAI-compatible server (`fastdeploy-ext serve`): FastAPI on uvicorn, Prometheus
         # metrics, httpx for http(s) image URLs and for `bench serve`'s load generator
         "serve": SERVE,
+        # `parse --ray`: the parse pipeline's workers as Ray actors on a cluster (the wheel is ~79 MB;
+        # its CI leg installs it in its own environment)
+        "ray": ["ray==2.60.0"],
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
         # interpreter-mode tests on the CPU; the server tests drive the server with `openai`;
         # hypothesis runs the property tests (fixed seeds and example counts).
