@@ -29,30 +29,45 @@ from .test_parse_e2e import PDFS, _start, base_args, cli, errors, outputs, run_p
 layout_dir, synthetic_pdf, parser, reference_run = e2e.layout_dir, e2e.synthetic_pdf, e2e.parser, e2e.reference_run
 
 
+#: the in-process runs' actors exit when fed this page (ray_worker.DIE_ON_PAGE_ENV, through the job's runtime_env)
+POISON = "poison.pdf:1"
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """The local cluster; its GCS address is what `parse --ray ADDRESS` connects to."""
+    """The local cluster; its GCS address is what `parse --ray ADDRESS` connects to (another job:
+    the fault injection of this process's job is not set there)."""
+    from fastdeploy_ext.parsing.ray_worker import DIE_ON_PAGE_ENV
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=512 * 2**20, logging_level=logging.WARNING,
-             log_to_driver=False)
+             log_to_driver=False, runtime_env={"env_vars": {DIE_ON_PAGE_ENV: POISON}})
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
 
 
-def ray_parser(layout_dir, planted, *extra):
-    """A RayDocumentParser with the options of the CLI flags (base_args + extra), in this process."""
+@pytest.fixture(scope="module")
+def rp(cluster, layout_dir, synthetic_pdf):
+    """A RayDocumentParser in this process with two worker actors (kept between its runs), one page
+    per lease, two pages in flight per worker, --max-attempts 2: the CLI flags of base_args."""
     from fastdeploy_ext.entrypoints.cli import build_parser
     from fastdeploy_ext.entrypoints.parse_cmd import parse_options_from_args, ray_options_from_args
     from fastdeploy_ext.parsing.ray_cluster import RayDocumentParser
-    ns = build_parser().parse_args(["parse", "x", "--output", "unused", *base_args(layout_dir, planted), *extra,
-                                    "--ray"])
-    return RayDocumentParser(parse_options_from_args(ns, output="unused"), ray_options_from_args(ns))
+    ns = build_parser().parse_args(["parse", "x", "--output", "unused", *base_args(layout_dir, synthetic_pdf[1]),
+                                    "--ray-num-workers", "2", "--lease-pages", "1", "--max-pages-in-flight", "2",
+                                    "--max-attempts", "2", "--ray"])
+    with RayDocumentParser(parse_options_from_args(ns, output="unused"), ray_options_from_args(ns)) as p:
+        yield p
 
 
-def run_ray(rp, inputs, out):
+def run_ray(rp, inputs, out, on_outcome=None) -> list:
     rp.options = replace(rp.options, output=str(out))
-    return list(rp.parse(inputs))
+    seen = []
+    for o in rp.parse(inputs):
+        seen.append(o)
+        if on_outcome is not None:
+            on_outcome(o)
+    return seen
 
 
 def test_parse_ray_gives_the_single_process_bytes(tmp_path, cluster, parser, layout_dir, synthetic_pdf):
@@ -76,35 +91,53 @@ def test_parse_ray_gives_the_single_process_bytes(tmp_path, cluster, parser, lay
     assert set(per_worker) == {"ray-0", "ray-1"} and sum(map(int, per_worker.values())) == 35, r.stderr[-3000:]
 
 
-def test_a_killed_worker_actor_loses_only_its_in_flight_pages(tmp_path, cluster, layout_dir, synthetic_pdf,
-                                                              reference_run, caplog):
-    pdf, layout = synthetic_pdf
-    rp = ray_parser(layout_dir, layout, "--ray-num-workers", "2", "--lease-pages", "1", "--max-pages-in-flight", "2")
-    rp.options = replace(rp.options, output=str(tmp_path / "out"))
-    seen, victim = [], None
-    with caplog.at_level(logging.INFO, logger="fastdeploy_ext.parsing.ray_cluster"):
-        for o in rp.parse([pdf]):
-            seen.append(o.key)
-            if victim is None:
-                held = rp.leases_held()
-                name = max(held, key=held.get)               # a worker with pages in flight
-                victim = next(a for a in rp.actors if a.name == name)
-                os.kill(victim.info["pid"], signal.SIGKILL)
-    log = caplog.text
-    assert f"{victim.name} (pid {victim.info['pid']}" in log and "lost" in log, log[-3000:]
-    assert re.search(rf"lease \d+ of {victim.name} ended", log), log[-3000:]    # its pages went back at once
-    assert "attempt 2" in log                                                 # ...and were leased again
-    assert len(seen) == len(set(seen)) == 4                                   # every page once
-    assert outputs(tmp_path / "out") == reference_run
-    assert status(tmp_path / "out") == {"done": 4, "failed": 0, "pending": 0, "input_errors": 0}
-    assert run_ray(rp, [pdf], tmp_path / "out") == []                         # the rerun has nothing left to do
+class _KillOnGrant(logging.Handler):
+    """SIGKILLs the worker actor that the ``nth`` lease goes to, as the driver logs the grant: the
+    pages of that worker's leases have just started (rendering), none of them is committed."""
+
+    def __init__(self, rp, nth: int):
+        super().__init__(logging.INFO)
+        self.rp, self.nth, self.victim = rp, nth, None
+
+    def emit(self, record):
+        m = re.match(r"parse --ray: lease (\d+) \(token \d+, attempt 1, \d+ pages\) -> (\S+)$", record.getMessage())
+        if m and int(m.group(1)) == self.nth and self.victim is None:
+            self.victim = next(a for a in self.rp.actors if a.name == m.group(2))
+            os.kill(self.victim.info["pid"], signal.SIGKILL)
 
 
-def test_the_driver_killed_mid_run_then_rerun_gives_every_page_once(tmp_path, cluster, layout_dir, synthetic_pdf,
+def test_a_killed_worker_actor_loses_only_its_in_flight_pages(tmp_path, rp, synthetic_pdf, reference_run, caplog):
+    """SIGKILL of a worker actor as its second lease goes out (two pages in flight): its leases
+    end at once, their pages are leased again (attempt 2) and every page is done once."""
+    pdf = synthetic_pdf[0]
+    out = tmp_path / "out"
+    killer = _KillOnGrant(rp, nth=4)            # 4 pages, one per lease, two per worker: the last grant
+    logger = logging.getLogger("fastdeploy_ext.parsing.ray_cluster")
+    logger.addHandler(killer)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            seen = [o.key for o in run_ray(rp, [pdf], out)]
+    finally:
+        logger.removeHandler(killer)
+    v, log = killer.victim, caplog.text
+    assert v is not None, log[-3000:]
+    assert f"{v.name} (pid {v.info['pid']} on" in log and "lost" in log, log[-3000:]
+    ended = [int(n) for n in re.findall(rf"lease \d+ of {re.escape(v.name)} ended \((\d+) pages", log)]
+    assert sum(ended) >= 1, log[-3000:]                                          # its pages went back at once
+    assert len(re.findall(r"attempt 2, 1 pages\) -> ray-", log)) == sum(ended), log[-3000:]   # ...leased again
+    assert len(seen) == len(set(seen)) == 4                                      # every page once
+    assert outputs(out) == reference_run
+    assert status(out) == {"done": 4, "failed": 0, "pending": 0, "input_errors": 0}
+    assert run_ray(rp, [pdf], out) == []                                         # a rerun has nothing left
+
+
+def test_the_driver_killed_mid_run_then_rerun_gives_every_page_once(tmp_path, cluster, rp, layout_dir, synthetic_pdf,
                                                                     reference_run):
+    """The CLI's driver SIGKILLed after its first commit (its actors die with its job); the rerun
+    (this process's parser, same options) does the rest once, with the bytes of one process."""
     pdf, layout = synthetic_pdf
     out = tmp_path / "out"
-    proc = _start(["parse", pdf, "--output", out, "--ray", cluster, "--ray-num-workers", "2", "--lease-pages", "1",
+    proc = _start(["parse", pdf, "--output", out, "--ray", cluster, "--ray-num-workers", "1", "--lease-pages", "1",
                    "--max-pages-in-flight", "1", *base_args(layout_dir, layout)])
     deadline = time.monotonic() + 150
 
@@ -122,29 +155,30 @@ def test_the_driver_killed_mid_run_then_rerun_gives_every_page_once(tmp_path, cl
         proc.communicate(timeout=30)
     killed_at = done()
     assert 1 <= killed_at < 4, killed_at
-    rp = ray_parser(layout_dir, layout, "--ray-num-workers", "2", "--lease-pages", "1")
     seen = [o.key for o in run_ray(rp, [pdf], out)]
     assert len(seen) == len(set(seen)) == 4 - killed_at              # done pages skipped, the others done once
     assert outputs(out) == reference_run
     assert status(out) == {"done": 4, "failed": 0, "pending": 0, "input_errors": 0}
 
 
-def test_a_page_that_kills_every_worker_is_an_error_record_after_max_attempts(tmp_path, cluster, layout_dir,
-                                                                              synthetic_pdf, monkeypatch, caplog):
-    from fastdeploy_ext.parsing.ray_worker import DIE_ON_PAGE_ENV
-    pdf, layout = synthetic_pdf
-    monkeypatch.setenv(DIE_ON_PAGE_ENV, f"{pdf.name}:2")         # the actor's process exits when fed page 2
-    rp = ray_parser(layout_dir, layout, "--ray-num-workers", "1", "--lease-pages", "1", "--max-pages-in-flight", "1",
-                    "--max-attempts", "2")
+def test_a_page_that_kills_every_worker_is_an_error_record_after_max_attempts(tmp_path, rp, caplog):
+    """poison.pdf's first page makes each worker fed it exit (POISON): with --max-attempts 2 the
+    page is granted twice, both workers die (and are replaced), the third grant records it as
+    failed (stage "worker"); the document's other page is done."""
+    from fastdeploy_ext.parsing.synthetic import synthetic_document
+    pdf = tmp_path / POISON.split(":")[0]
+    pdf.write_bytes(synthetic_document(2, seed=11).pdf)
+    out = tmp_path / "out"
     with caplog.at_level(logging.INFO, logger="fastdeploy_ext.parsing.ray_cluster"):
-        outs = run_ray(rp, [pdf], tmp_path / "out")
-    assert sorted(o.job.work.page_index for o in outs) == [0, 1, 2, 3]
+        outs = run_ray(rp, [pdf], out)
+    assert sorted(o.job.work.page_index for o in outs) == [0, 1]
     bad = [o for o in outs if o.error is not None]
-    assert [o.job.work.page_index for o in bad] == [1] and bad[0].error.stage == "worker"
-    assert [(e["page"], e["stage"]) for e in errors(tmp_path / "out")] == [(2, "worker")]
-    assert "gave up after 2 attempts" in errors(tmp_path / "out")[0]["message"]
-    assert status(tmp_path / "out") == {"done": 3, "failed": 1, "pending": 0, "input_errors": 0}
-    assert caplog.text.count("starting ray-0.") == 2, caplog.text[-3000:]    # two deaths, two replacements
+    assert [o.job.work.page_index for o in bad] == [0] and bad[0].error.stage == "worker"
+    errs = errors(out)
+    assert [(e["page"], e["stage"]) for e in errs] == [(1, "worker")]
+    assert "gave up after 2 attempts" in errs[0]["message"]
+    assert status(out) == {"done": 1, "failed": 1, "pending": 0, "input_errors": 0}
+    assert len(re.findall(r"starting ray-\d\.\d+ in its place", caplog.text)) == 2, caplog.text[-3000:]
 
 
 def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):

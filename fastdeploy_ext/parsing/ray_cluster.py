@@ -100,19 +100,27 @@ class _Actor:
     handle: object
     name: str
     ready: bool = False
-    waiting: bool = False          # its pipeline asked for pages and got none yet
-    done: bool = False             # finished, lost or released
+    done: bool = False             # lost or released: no more calls
     info: dict = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    # this run's
+    waiting: bool = False          # its pipeline asked for pages and got none yet
+    first_round: bool = False      # one of the actors this run started with (work waits for all of them)
     first_lease: float | None = None
     last_commit: float | None = None
     pages: int = 0
     busy: list = field(default_factory=list)
 
+    def new_run(self) -> None:
+        self.waiting, self.first_round = False, True
+        self.first_lease = self.last_commit = None
+        self.pages, self.busy = 0, []
+
 
 class RayDocumentParser:
     """What cmd_parse drives for `parse --ray` (DocumentParser's face: ``parse``,
-    ``workspace_status``, ``gpu_reader``, ``close``)."""
+    ``workspace_status``, ``gpu_reader``, ``close``). The worker actors (and their loaded models)
+    outlive a ``parse`` call and serve the next one; ``close`` releases them."""
 
     def __init__(self, opts, ray_opts: RayOptions):
         opts.validate()
@@ -126,6 +134,9 @@ class RayDocumentParser:
         self._gpu_busy: dict[str, float] = {}
         self._started_ray = False
         self._table = None
+        self._calls: dict = {}           # ObjectRef -> (actor, "info" | "take"): one outstanding per live actor
+        self._run_id = 0
+        self._actor_cls = None
 
     @property
     def gpu_reader(self) -> Callable[[], float | None]:
@@ -140,6 +151,20 @@ class RayDocumentParser:
         ray.init(**kwargs, log_to_driver=True, logging_level=logging.WARNING)
         self._started_ray = True
         return ray
+
+    def _start_actor(self, ray, index: int, generation: int, per_worker_gpus: float) -> _Actor:
+        if self._actor_cls is None:
+            from .ray_worker import ParseWorker
+            self._actor_cls = ray.remote(ParseWorker).options(
+                num_cpus=1, num_gpus=per_worker_gpus, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
+        name = f"ray-{index}" if generation == 0 else f"ray-{index}.{generation}"
+        level = logging.getLogger().getEffectiveLevel()
+        a = _Actor(index, generation, self._actor_cls.remote(name, self.options, self.ray_options.render, level), name)
+        a.new_run()
+        a.handle.begin.remote(self._run_id)
+        self.actors.append(a)
+        self._calls[a.handle.info.remote()] = (a, "info")
+        return a
 
     def parse(self, inputs, *, on_start: Callable[[int], None] | None = None) -> Iterator[PageOutcome]:
         from .coordinator import lease_works, open_workspace
@@ -161,26 +186,15 @@ class RayDocumentParser:
         if on_start is not None:
             on_start(todo)
         log.info("parse --ray: %d pages to do in %s", todo, opts.output)
-        from .ray_worker import DIE_ON_PAGE_ENV, ParseWorker
-        env = {k: os.environ[k] for k in (DIE_ON_PAGE_ENV,) if k in os.environ}
-        actor_cls = ray.remote(ParseWorker).options(
-            num_cpus=1, num_gpus=per.value, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-            **({"runtime_env": {"env_vars": env}} if env else {}))
-        level = logging.getLogger().getEffectiveLevel()
+        self._run_id += 1
+        run = self._run_id
+        calls = self._calls
         cap = max(1, math.ceil(opts.max_pages_in_flight / opts.lease_pages))     # leases an actor may hold
         heartbeat = min(opts.lease_ttl_s / 3, 5.0)
-        calls: dict = {}                     # ObjectRef -> (actor, "info" | "take")
         replacements_left = count.value * ropts.max_attempts
 
-        def start(index: int, generation: int) -> _Actor:
-            name = f"ray-{index}" if generation == 0 else f"ray-{index}.{generation}"
-            a = _Actor(index, generation, actor_cls.remote(name, opts, ropts.render, level), name)
-            self.actors.append(a)
-            calls[a.handle.info.remote()] = (a, "info")
-            return a
-
         def release_leases(a: _Actor) -> None:
-            # a lost actor's pages go back now, not at their expiry: a lease renewed to end now
+            # a lost actor's pages go back now, not at their expiry: its leases renewed to end now
             for lease in table.active:
                 if lease.worker == a.name:
                     try:
@@ -203,12 +217,20 @@ class RayDocumentParser:
                 pass
             if todo > 0 and replacements_left > 0:
                 replacements_left -= 1
-                b = start(a.index, a.generation + 1)
+                b = self._start_actor(ray, a.index, a.generation + 1, per.value)
+                b.first_round = False
                 log.warning("parse --ray: starting %s in its place (%d replacements left)", b.name, replacements_left)
 
         try:
-            for i in range(count.value if todo > 0 else 0):      # nothing to do: no actor started
-                start(i, 0)
+            if todo > 0:                       # nothing to do: no actor started
+                live = [a for a in self.actors if not a.done]
+                for a in live:                 # the last run's actors, models loaded: a new pipeline each
+                    a.new_run()
+                    a.handle.begin.remote(run)
+                used = {a.index for a in live}
+                free = (i for i in range(len(self.actors) + count.value) if i not in used)
+                for _ in range(count.value - len(live)):
+                    self._start_actor(ray, next(free), 0, per.value)
             while todo > 0:
                 live = [a for a in self.actors if not a.done]
                 if not live:
@@ -246,7 +268,7 @@ class RayDocumentParser:
                         log.info("parse --ray: %s up (pid %d on node %s, GPUs %s, %s) after %.1f s", a.name,
                                  value["pid"], value["node"], value["gpus"] or "none", value["device"],
                                  time.monotonic() - a.started)
-                    else:
+                    elif value["run"] == run:
                         for lease in table.active:          # the answer is the actor's heartbeat
                             if lease.worker == a.name:
                                 try:
@@ -268,10 +290,10 @@ class RayDocumentParser:
                         if value["error"] is not None or value["finished"]:
                             lost(a, f"its pipeline ended: {value['error'] or 'finished early'}")
                             continue
-                    calls[a.handle.take.remote(heartbeat)] = (a, "take")
-                # hand out work to each actor waiting for it, once every actor of the first round is up
-                # (the first one ready would otherwise take everything)
-                if any(not a.ready and not a.done and a.generation == 0 for a in self.actors):
+                    calls[a.handle.take.remote(run, heartbeat)] = (a, "take")
+                # work goes out once every actor this run started with is up (the first one
+                # ready would otherwise take everything)
+                if any(a.first_round and not a.ready and not a.done for a in self.actors):
                     continue
                 held: dict[str, int] = {}
                 for lease in table.active:
@@ -295,23 +317,23 @@ class RayDocumentParser:
                                 works.append(work)
                         if not works:
                             continue
-                        a.handle.feed.remote(lease, works)
+                        a.handle.feed.remote(run, lease, works)
                         a.waiting = False
                         a.first_lease = a.first_lease or time.monotonic()
                         held[a.name] = held.get(a.name, 0) + 1
                         log.info("parse --ray: lease %d (token %d, attempt %d, %d pages) -> %s", lease.lease_id,
                                  lease.token, lease.attempt, len(works), a.name)
             if todo <= 0:
-                log.info("parse --ray: every page settled; releasing the workers")
+                log.info("parse --ray: every page settled")
         finally:
             for a in self.actors:
                 if not a.done:
-                    a.done = True
                     try:
-                        ray.kill(a.handle)
-                    except Exception:  # noqa: BLE001 - already gone
+                        a.handle.stop.remote()     # the pipeline ends; the actor and its models stay for the next run
+                    except Exception:  # noqa: BLE001 - gone
                         pass
             self.workspace_status = ws.status()
+            self._table = None
             ws.close()
             self._log_summary()
 
@@ -332,18 +354,25 @@ class RayDocumentParser:
             held[lease.worker] = held.get(lease.worker, 0) + len(lease.keys)
         return held
 
-    def worker_stats(self) -> list[dict]:
-        """Per actor: name, pid, node, pages committed, pages/s over its first lease -> last commit."""
-        out = []
-        for a in self.actors:
-            span = max((a.last_commit or a.first_lease or 0) - (a.first_lease or 0), 1e-9)
-            out.append({"name": a.name, "pid": a.info.get("pid"), "node": a.info.get("node"), "pages": a.pages,
-                        "pages_per_s": a.pages / span if a.pages else 0.0,
-                        "gpu_busy_pct": sum(a.busy) / len(a.busy) if a.busy else None})
-        return out
-
     def close(self) -> None:
+        """Release the worker actors (and the Ray session this parser started)."""
+        if self.actors:
+            import ray
+            for a in self.actors:
+                if not a.done:
+                    a.done = True
+                    try:
+                        ray.kill(a.handle)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+            self._calls.clear()
         if self._started_ray:
             import ray
             ray.shutdown()
             self._started_ray = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

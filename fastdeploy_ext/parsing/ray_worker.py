@@ -7,11 +7,13 @@ The actor decides nothing about what is done: it runs the pages the driver lease
 every page's outcome back; the driver commits (or refuses) it through the workspace. Calls, from
 the driver (the actor is threaded, so they run beside the pipeline):
 
-    info()            -> pid, node, device: once, when the models are loaded
-    feed(lease, works) the pages of a lease, queued for the pipeline's feeder
-    take(timeout_s)   -> {"results", "want", "busy", "finished", "error"}: blocks until there is
-                         something to say or ``timeout_s`` passed (the heartbeat that renews the
-                         actor's leases)
+    info()                 -> pid, node, device: once, when the models are loaded
+    begin(run)             a pipeline for the driver's run ``run`` (models kept between runs)
+    feed(run, lease, works) the pages of a lease, queued for the pipeline's feeder
+    take(run, timeout_s)   -> {"run", "results", "want", "busy", "finished", "error"}: blocks until
+                              there is something to say or ``timeout_s`` passed (the heartbeat that
+                              renews the actor's leases)
+    stop()                 the run is over: the pipeline takes no more pages
 
 Backpressure: the pipeline's feeder pulls a page only when a slot is free (``max_pages_in_flight``);
 when it pulls and nothing is queued, ``take`` answers ``want`` and the driver grants one lease.
@@ -27,8 +29,9 @@ from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
-#: fault injection for tests: "<file name>:<1-based page>": the actor's process exits when it is
-#: fed that page, as a worker that a page crashes (OOM, a driver fault) would
+#: fault injection for tests, read in the actor's environment (the job's runtime_env, or the
+#: cluster's): "<file name>:<1-based page>": the actor's process exits when it is fed that page,
+#: as a worker that a page crashes (OOM, a device fault) would
 DIE_ON_PAGE_ENV = "FDX_PARSE_TEST_RAY_DIE_ON_PAGE"
 
 
@@ -137,12 +140,16 @@ class ParseWorker:
         self._busy = make() if callable(make) else None
         self._die_on = os.environ.get(DIE_ON_PAGE_ENV)
         self._cond = threading.Condition()
+        self._run_id = 0                       # the driver's run this actor works for (0: none yet)
+        self._thread: threading.Thread | None = None
+        self._reset()
+
+    def _reset(self) -> None:
         self._queued: deque = deque()          # PageJobs fed, not pulled by the pipeline yet
         self._results: list[tuple] = []        # messages for the driver (workers.py's commit / fail forms)
         self._want = False                     # the feeder is waiting for pages and the driver was not told yet
         self._finished = False
         self._error: str | None = None
-        threading.Thread(target=self._run, name="fdx-ray-pipeline", daemon=True).start()
 
     def info(self) -> dict:
         import ray
@@ -151,7 +158,22 @@ class ParseWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()],
                 "device": getattr(getattr(getattr(self.engine, "runner", None), "plan", None), "row", "stub")}
 
-    def feed(self, lease, works) -> None:
+    def begin(self, run_id: int) -> None:
+        """Start a pipeline for the driver's run ``run_id`` (the models stay loaded between runs);
+        the previous run's pipeline was told to stop and ends first. Results, feeds and takes of
+        another run are told apart by the id, so nothing of one run is taken for the next."""
+        thread = self._thread
+        if thread is not None:
+            self.stop()
+            thread.join()
+        with self._cond:
+            self._reset()
+            self._run_id = run_id
+            self._thread = threading.Thread(target=self._run, args=(run_id,), name="fdx-ray-pipeline", daemon=True)
+            self._thread.start()
+            self._cond.notify_all()
+
+    def feed(self, run_id: int, lease, works) -> None:
         from pathlib import Path
 
         from .pipeline import PageJob
@@ -160,17 +182,22 @@ class ParseWorker:
             logging.shutdown()
             os._exit(1)
         with self._cond:
+            if run_id != self._run_id:         # a feed of an ended run: its pages are the driver's again
+                return
             self._queued.extend(PageJob(w, lease) for w in works)
             self._cond.notify_all()
 
-    def take(self, timeout_s: float) -> dict:
+    def take(self, run_id: int, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not (self._results or self._want or self._finished):
+            while self._run_id != run_id or not (self._results or self._want or self._finished):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            if self._run_id != run_id:         # a call of another run: nothing for it
+                return {"run": run_id if self._run_id < run_id else -1, "results": [], "want": False, "busy": None, "finished": False,
+                        "error": None}
             results, self._results = self._results, []
             want, self._want = self._want, False
             finished, error = self._finished, self._error
@@ -180,9 +207,10 @@ class ParseWorker:
                 busy = float(self._busy())
             except Exception:  # noqa: BLE001 - a management library hiccup: no sample
                 busy = None
-        return {"results": results, "want": want, "busy": busy, "finished": finished, "error": error}
+        return {"run": run_id, "results": results, "want": want, "busy": busy, "finished": finished, "error": error}
 
     def stop(self) -> None:
+        """End this run's pipeline: its feeder takes no more pages."""
         with self._cond:
             self._finished = True
             self._cond.notify_all()
@@ -201,7 +229,8 @@ class ParseWorker:
                 job = self._queued.popleft()
             yield job
 
-    def _run(self) -> None:
+    def _run(self, run_id: int) -> None:
+        error = None
         try:
             for outcome in self.pipe.run(self._jobs()):
                 w, lease = outcome.job.work, outcome.job.lease
@@ -210,12 +239,14 @@ class ParseWorker:
                 else:
                     msg = ("fail", lease, w, outcome.error.stage, outcome.error.message)
                 with self._cond:
-                    self._results.append(msg)
-                    self._cond.notify_all()
+                    if self._run_id == run_id:
+                        self._results.append(msg)
+                        self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - the driver sees it and replaces this worker
             log.exception("%s: the pipeline failed", self.name)
-            with self._cond:
-                self._error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
         with self._cond:
-            self._finished = True
-            self._cond.notify_all()
+            if self._run_id == run_id:
+                self._error = error
+                self._finished = True
+                self._cond.notify_all()
