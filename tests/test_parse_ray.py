@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray", reason="parse --ray needs the [ray] extra (pip 
                                         "the cpu/ray CI leg installs it")
 
 from . import test_parse_e2e as e2e  # noqa: E402
-from .test_parse_e2e import PDFS, _start, base_args, cli, errors, outputs, run_parse, status  # noqa: E402
+from .test_parse_e2e import PDFS, _start, base_args, errors, outputs, run_parse, status  # noqa: E402
 
 # the tiny models, the generated document and its single-process bytes: test_parse_e2e.py's fixtures
 layout_dir, synthetic_pdf, parser, reference_run = e2e.layout_dir, e2e.synthetic_pdf, e2e.parser, e2e.reference_run
@@ -70,25 +70,24 @@ def run_ray(rp, inputs, out, on_outcome=None) -> list:
     return seen
 
 
-def test_parse_ray_gives_the_single_process_bytes(tmp_path, cluster, parser, layout_dir, synthetic_pdf):
-    """The CLI with two worker actors over 31 real pages and 4 generated ones, render tasks over the
-    cluster, --json-progress: every page once, the bytes of one process, both workers busy."""
-    pdf, layout = synthetic_pdf
+def test_parse_ray_gives_the_single_process_bytes(tmp_path, parser, rp, synthetic_pdf, caplog):
+    """Two worker actors over the 31 real pages and the 4 generated ones, rendered as tasks over
+    the cluster: every page once, the bytes of one process, both workers busy, their rates logged."""
+    pdf = synthetic_pdf[0]
     ref = tmp_path / "ref"
     assert run_parse(parser, [PDFS, pdf], ref) == 0
     out = tmp_path / "out"
-    r = cli(["parse", PDFS, pdf, "--output", out, "--ray", cluster, "--ray-num-workers", "2", "--lease-pages", "2",
-             "--max-pages-in-flight", "4", "--json-progress", "--progress-interval", "60",
-             *base_args(layout_dir, layout)])
-    assert r.returncode == 0, r.stderr[-4000:]
+    with caplog.at_level(logging.INFO, logger="fastdeploy_ext.parsing.ray_cluster"):
+        seen = [o.key for o in run_ray(rp, [PDFS, pdf], out)]
+    log = caplog.text
+    assert len(seen) == len(set(seen)) == 35
     assert outputs(out) == outputs(ref)
     assert status(out) == {"done": 35, "failed": 0, "pending": 0, "input_errors": 0}
-    assert {"ray-0", "ray-1"} == set(re.findall(r"-> (ray-\d)\b", r.stderr)), r.stderr[-3000:]
-    assert "refused" not in r.stderr and "lost" not in r.stderr
-    last = json.loads(r.stdout.splitlines()[-1])
-    assert last["event"] == "done" and last["done"] == 35 and last["total"] == 35
-    per_worker = dict(re.findall(r"(ray-\d) \(pid \d+ on \S+\): (\d+) pages in", r.stderr))
-    assert set(per_worker) == {"ray-0", "ray-1"} and sum(map(int, per_worker.values())) == 35, r.stderr[-3000:]
+    assert "refused" not in log and "lost" not in log and "expired" not in log, log[-3000:]
+    assert "rendering: Ray tasks over the cluster" in log
+    per_worker = dict(re.findall(r"(ray-\d) \(pid \d+ on \S+\): (\d+) pages in", log))
+    assert set(per_worker) == {"ray-0", "ray-1"} and sum(map(int, per_worker.values())) == 35, log[-3000:]
+    assert all(int(n) > 0 for n in per_worker.values())
 
 
 class _KillOnGrant(logging.Handler):
@@ -133,12 +132,14 @@ def test_a_killed_worker_actor_loses_only_its_in_flight_pages(tmp_path, rp, synt
 
 def test_the_driver_killed_mid_run_then_rerun_gives_every_page_once(tmp_path, cluster, rp, layout_dir, synthetic_pdf,
                                                                     reference_run):
-    """The CLI's driver SIGKILLed after its first commit (its actors die with its job); the rerun
-    (this process's parser, same options) does the rest once, with the bytes of one process."""
+    """`parse --ray ADDRESS` (the CLI, --json-progress) SIGKILLed after its first commit (its
+    actors die with its job); the rerun (this process's parser, same options) does the rest once,
+    with the bytes of one process."""
     pdf, layout = synthetic_pdf
     out = tmp_path / "out"
     proc = _start(["parse", pdf, "--output", out, "--ray", cluster, "--ray-num-workers", "1", "--lease-pages", "1",
-                   "--max-pages-in-flight", "1", *base_args(layout_dir, layout)])
+                   "--max-pages-in-flight", "1", "--json-progress", "--progress-interval", "0.2",
+                   *base_args(layout_dir, layout)])
     deadline = time.monotonic() + 150
 
     def done() -> int:
@@ -152,9 +153,12 @@ def test_the_driver_killed_mid_run_then_rerun_gives_every_page_once(tmp_path, cl
         assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[1][-3000:]
     finally:
         proc.send_signal(signal.SIGKILL)   # anywhere: maybe inside the next page's commit
-        proc.communicate(timeout=30)
+        stdout, stderr = proc.communicate(timeout=30)
     killed_at = done()
     assert 1 <= killed_at < 4, killed_at
+    assert re.search(r"parse --ray: ray-0 up \(pid \d+", stderr), stderr[-3000:]
+    progress = [json.loads(line) for line in stdout.splitlines()]       # the cluster's progress, one bar
+    assert progress and {p["event"] for p in progress} == {"progress"} and {p["total"] for p in progress} == {4}
     seen = [o.key for o in run_ray(rp, [pdf], out)]
     assert len(seen) == len(set(seen)) == 4 - killed_at              # done pages skipped, the others done once
     assert outputs(out) == reference_run

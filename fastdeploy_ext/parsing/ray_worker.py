@@ -125,6 +125,9 @@ class ParseWorker:
     CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, name: str, opts, render_mode: str, log_level: int):
+        import sys
+        # Ray copies an actor's stdout to the driver's stdout, which is --json-progress's stream
+        sys.stdout = sys.stderr
         logging.basicConfig(level=log_level,
                             format=f"%(asctime)s [fastdeploy_ext {name}] %(levelname)s %(message)s")
         from .coordinator import build_engine, build_layout, build_pipeline
