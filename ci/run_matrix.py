@@ -217,8 +217,10 @@ def leg_python(leg: Leg, python: str) -> tuple[str, str]:
         return str(vpython), f"env {venv} reused"
     t0 = time.monotonic()
     shutil.rmtree(venv, ignore_errors=True)
-    for cmd in ([python, "-m", "venv", "--system-site-packages", str(venv)],
-                [str(vpython), "-m", "pip", "install", "-q", "--disable-pip-version-check", *leg.pip]):
+    # no pip of its own (ensurepip costs more than the install): this interpreter's pip installs into it
+    for cmd in ([python, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                [python, "-m", "pip", "--python", str(vpython), "install", "-q", "--disable-pip-version-check",
+                 *leg.pip]):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
         if r.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
@@ -276,6 +278,7 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
         python, setup = leg_python(leg, python)         # not counted in the leg's seconds: a cached env costs nothing
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         write_error_junit(junit, leg, str(e))
+        log_path.write_text(f"{e}\n")
         return LegResult(leg, "FAIL", budget, 0.0, detail=str(e))
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
            "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=system-out", *RUNS[leg.runs].args(leg, matrix), *extra]

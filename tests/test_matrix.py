@@ -149,3 +149,22 @@ def test_the_deadline_stops_the_run_and_still_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "deadline-s was reached" in text and "not started" in text
     assert (tmp_path / "a.tgz").is_file() and (out / "after.xml").is_file()
+
+
+def test_a_leg_with_pip_runs_in_its_own_environment_and_a_broken_one_fails(tmp_path, capsys, monkeypatch):
+    """`pip:` builds a venv over this interpreter (--system-site-packages), runs the leg's pytest
+    in it and reuses it the next time; requirements that do not install fail the leg, naming pip."""
+    monkeypatch.setattr(run_matrix, "VENV_ROOT", tmp_path / "venvs")
+    (tmp_path / "test_where.py").write_text("import sys\n\ndef test_in_venv():\n    assert sys.prefix.endswith('own')\n")
+    matrix = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n"
+                    + leg("own", "test_where.py", more=", pip: [pytest]")
+                    + leg("broken", more=f", pip: ['{tmp_path}/no-such-project']"))
+    args = ["--matrix", str(matrix), "--junit-dir", str(tmp_path / "j")]
+    assert run_matrix.main(args) == 1
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.split("leg ", 1)[1].splitlines()[2:] if line.strip() and not line[0].isdigit()}
+    assert rows["own"].split()[3] == "PASS" and "built in" in rows["own"], rows["own"]
+    assert rows["broken"].split()[3] == "FAIL" and "setting up its environment failed" in rows["broken"]
+    assert not (tmp_path / "venvs" / "broken").exists()
+    assert run_matrix.main(args + ["--legs", "own"]) == 0
+    assert "reused" in capsys.readouterr().out
