@@ -84,7 +84,7 @@ def test_parse_ray_gives_the_single_process_bytes(tmp_path, parser, rp, syntheti
     assert outputs(out) == outputs(ref)
     assert status(out) == {"done": 35, "failed": 0, "pending": 0, "input_errors": 0}
     assert "refused" not in log and "lost" not in log and "expired" not in log, log[-3000:]
-    assert "rendering: Ray tasks over the cluster" in log
+    assert "rendering: Ray tasks over the cluster (2 CPUs beside the workers)" in log
     per_worker = dict(re.findall(r"(ray-\d) \(pid \d+ on \S+\): (\d+) pages in", log))
     assert set(per_worker) == {"ray-0", "ray-1"} and sum(map(int, per_worker.values())) == 35, log[-3000:]
     assert all(int(n) > 0 for n in per_worker.values())
@@ -187,7 +187,7 @@ def test_a_page_that_kills_every_worker_is_an_error_record_after_max_attempts(tm
 
 def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):
     from fastdeploy_ext.entrypoints.cli import main
-    from fastdeploy_ext.parsing.ray_cluster import RayOptions, plan_workers
+    from fastdeploy_ext.parsing.ray_cluster import RayOptions, plan_render, plan_workers
     pdf = next(PDFS.glob("*.pdf"))
     for bad, what in ((["--ray", str(pdf), str(pdf)], "as the cluster address"),
                       ([str(pdf), "--ray", "--ray-num-workers", "0"], "--ray-num-workers must be >= 1"),
@@ -205,3 +205,8 @@ def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):
     assert (per.value, n.value) == (0.0, 2) and "one CPU worker per node" in n.reason
     with pytest.raises(ValueError, match="each worker needs 1 GPUs .* the cluster has 0"):
         plan_workers(RayOptions(gpus_per_worker=1), "auto", {"CPU": 4}, 1)
+    # render tasks need a CPU the workers leave free, else they would wait forever
+    assert plan_render("tasks", {"CPU": 4}, 2).value == "tasks"
+    lone = plan_render("tasks", {"CPU": 2}, 2)
+    assert lone.value == "actor" and "none is left for render tasks" in lone.reason
+    assert plan_render("actor", {"CPU": 64}, 2).value == "actor"

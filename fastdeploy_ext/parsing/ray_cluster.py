@@ -93,6 +93,18 @@ def plan_workers(ray_opts: RayOptions, device: str, resources: dict, nodes: int)
     return per, n
 
 
+def plan_render(mode: str, resources: dict, workers: int) -> Decision:
+    """Where pages are rendered: Ray tasks unless the actors (one CPU each) leave the cluster no CPU
+    for them, where the tasks would wait forever and each actor renders in its own processes."""
+    if mode == "actor":
+        return Decision("actor", "--ray-render actor: each worker's own render processes")
+    spare = float(resources.get("CPU", 0)) - workers
+    if spare < 1:
+        return Decision("actor", f"the workers take {workers} of the cluster's {resources.get('CPU', 0):g} CPUs, "
+                                 "none is left for render tasks: each worker renders in its own processes")
+    return Decision("tasks", f"Ray tasks over the cluster ({spare:g} CPUs beside the workers)")
+
+
 @dataclass
 class _Actor:
     index: int
@@ -137,6 +149,7 @@ class RayDocumentParser:
         self._calls: dict = {}           # ObjectRef -> (actor, "info" | "take"): one outstanding per live actor
         self._run_id = 0
         self._actor_cls = None
+        self._render = ray_opts.render
 
     @property
     def gpu_reader(self) -> Callable[[], float | None]:
@@ -159,7 +172,7 @@ class RayDocumentParser:
                 num_cpus=1, num_gpus=per_worker_gpus, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
         name = f"ray-{index}" if generation == 0 else f"ray-{index}.{generation}"
         level = logging.getLogger().getEffectiveLevel()
-        a = _Actor(index, generation, self._actor_cls.remote(name, self.options, self.ray_options.render, level), name)
+        a = _Actor(index, generation, self._actor_cls.remote(name, self.options, self._render, level), name)
         a.new_run()
         a.handle.begin.remote(self._run_id)
         self.actors.append(a)
@@ -176,10 +189,11 @@ class RayDocumentParser:
         resources = ray.cluster_resources()
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         per, count = plan_workers(ropts, opts.device, resources, nodes)
+        render = plan_render(ropts.render, resources, count.value)
+        self._render = render.value
         log.info("parse --ray: cluster %s (%d nodes, %g CPUs, %g GPUs); %d workers (%s), %g GPUs each (%s); "
                  "rendering: %s", ray.get_runtime_context().gcs_address, nodes, resources.get("CPU", 0),
-                 resources.get("GPU", 0), count.value, count.reason, per.value, per.reason,
-                 "Ray tasks over the cluster" if ropts.render == "tasks" else "each worker's own processes")
+                 resources.get("GPU", 0), count.value, count.reason, per.value, per.reason, render.reason)
         ws, todo = open_workspace(opts, inputs)
         table = self._table = ws.leases
         self.pages_total = todo
