@@ -210,3 +210,46 @@ def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):
     lone = plan_render("tasks", {"CPU": 2}, 2)
     assert lone.value == "actor" and "none is left for render tasks" in lone.reason
     assert plan_render("actor", {"CPU": 64}, 2).value == "actor"
+
+
+def test_an_actors_runs_are_told_apart_so_nothing_of_one_is_taken_for_the_next():
+    """ParseWorker's run ids (no Ray, no models: a pipeline that returns each page as it comes):
+    a feed or take of another run is dropped, results of an ended run never reach the next one,
+    and the feeder's want is said once per need."""
+    import threading
+
+    from fastdeploy_ext.parsing.pipeline import PageOutcome
+    from fastdeploy_ext.parsing.ray_worker import ParseWorker
+    from fastdeploy_ext.parsing.workspace import PageWork
+
+    class EchoPipeline:
+        def run(self, jobs):
+            for job in jobs:
+                yield PageOutcome(job, result=f"page {job.work.page_index}")
+
+    w = ParseWorker.__new__(ParseWorker)             # the actor's state without its models
+    w.name, w.pipe, w._busy, w._die_on = "t", EchoPipeline(), None, None
+    w._cond, w._run_id, w._thread = threading.Condition(), 0, None
+    w._reset()
+    page = lambda i: PageWork(f"k{i}", "doc.pdf", i, 9, stem="doc")      # noqa: E731
+    w.begin(1)
+    assert w.take(1, 5.0)["want"] is True and w.take(1, 0.05)["want"] is False    # said once
+    w.feed(0, "lease-0", [page(0)])                   # a feed of another run: dropped
+    w.feed(1, "lease-1", [page(1)])
+    got = w.take(1, 5.0)
+    while not got["results"]:
+        got = w.take(1, 5.0)
+    assert [(m[0], m[1], m[2].page_index, m[3]) for m in got["results"]] == [("commit", "lease-1", 1, "page 1")]
+    assert w.take(0, 0.01) == {"run": -1, "results": [], "want": False, "busy": None, "finished": False,
+                               "error": None}        # a take of an ended run gets nothing
+    w.feed(1, "lease-1", [page(2)])
+    w.begin(2)                                        # run 1 ends (its page 2 may finish: it stays in run 1)
+    assert w.take(1, 0.01)["run"] == -1
+    w.feed(2, "lease-2", [page(3)])
+    seen = []
+    while not seen or seen[-1][1] != "lease-2":
+        seen += w.take(2, 5.0)["results"]
+    assert [m[1] for m in seen] == ["lease-2"]        # nothing of run 1 in run 2
+    w.stop()
+    w._thread.join(5)
+    assert w.take(2, 1.0)["finished"] is True
