@@ -161,7 +161,11 @@ class RayDocumentParser:
             return ray
         addr = self.ray_options.address
         kwargs = {"address": addr} if addr not in (None, "local") else {}
-        ray.init(**kwargs, log_to_driver=True, logging_level=logging.WARNING)
+        try:
+            ray.init(**kwargs, log_to_driver=True, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as e:      # no cluster there: a usage error, not a traceback
+            raise ValueError(f"--ray {addr or ''}: cannot reach a Ray cluster ({type(e).__name__}: {e}); start one "
+                             "with `ray start --head` or give its address (HEAD:6379)") from None
         self._started_ray = True
         return ray
 
