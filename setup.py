@@ -47,6 +47,9 @@ setup(
         "serve": SERVE,
         # `bench parse --plots DIR`: the stage breakdown and GPU-busy timeline as PNG charts
         "plots": ["matplotlib>=3.7"],
+        # `parse --ray`: the parse pipeline's workers as Ray actors on a cluster (the wheel is ~79 MB;
+        # its CI leg installs it in its own environment)
+        "ray": ["ray==2.60.0"],
         # transformers 5.24 is the numerical reference; Triton runs the attention kernel's
         # interpreter-mode tests on the CPU; the server tests drive the server with `openai`;
         # hypothesis runs the property tests (fixed seeds and example counts).

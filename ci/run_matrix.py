@@ -57,9 +57,10 @@ class Leg:
     pending: str | None = None
     family: str | None = None                     # conformance legs: --fdx-family (default family if None)
     setup: str | None = None                      # a script run before the tests (e.g. installs a browser)
+    pip: tuple[str, ...] = ()                     # the leg's own environment: these requirements on top of ours
 
     FIELDS = ("name", "device", "runs", "hosts", "budget_s", "backend", "paths", "plan", "env",
-              "block_transformers", "allow_skips", "pending", "family", "setup")
+              "block_transformers", "allow_skips", "pending", "family", "setup", "pip")
 
     @property
     def slug(self) -> str:
@@ -112,7 +113,7 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
                   env={k: str(v) for k, v in (d.get("env") or {}).items()},
                   block_transformers=bool(d.get("block_transformers", False)),
                   allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"),
-                  setup=d.get("setup"))
+                  setup=d.get("setup"), pip=tuple(str(r) for r in (d.get("pip") or ())))
         if leg.setup is not None and not (ROOT / leg.setup).is_file():
             raise MatrixError(f"leg {name}: setup {leg.setup} is not a file of the repository")
         RUNS[leg.runs].check(leg)
@@ -160,6 +161,7 @@ RUNS: dict[str, RunKind] = {
     "paddle": RunKind(needs_paths=True),
     "oot": RunKind(needs_paths=True),
     "serve": RunKind(needs_paths=True),
+    "ray": RunKind(needs_paths=True),
     "conformance": RunKind(needs_backend=True, target=("--pyargs", "fastdeploy_ext.conformance")),
     "encode": RunKind(needs_backend=True, target=("ci/legs/test_encode_smoke.py",)),
     "generate": RunKind(needs_backend=True, target=("ci/legs/test_generate_smoke.py",)),
@@ -198,6 +200,39 @@ def why_not_here(leg: Leg, host: str, devices: dict[str, tuple[bool, str]]) -> s
                 else "CI-host leg: runs in `ci/run_matrix.py` on the CPU CI machine")
     ok, reason = devices[leg.device]
     return None if ok else reason
+
+
+# ------------------------------------------------------------- a leg's own environment
+#: where legs with `pip` keep their virtual environments between runs (under the checkout: a CI
+#: workdir that persists keeps them; a fresh clone builds them once)
+VENV_ROOT = Path(os.environ.get("FDX_CI_VENV_DIR", ROOT / "ci" / ".venv"))
+SETUP_TIMEOUT_S = 900
+
+
+def leg_python(leg: Leg, python: str) -> tuple[str, str]:
+    """The interpreter a leg runs under, and what was done to get it: ``python`` itself, or for a
+    leg with `pip` a venv over it (--system-site-packages: everything installed here, plus the
+    leg's requirements), reused while its requirements are the same. RuntimeError if pip fails."""
+    if not leg.pip:
+        return python, ""
+    venv = VENV_ROOT / leg.slug
+    marker = venv / ".fdx-requirements"
+    want = "\n".join(leg.pip) + "\n"
+    vpython = venv / "bin" / "python"
+    if vpython.exists() and marker.exists() and marker.read_text() == want:
+        return str(vpython), f"env {venv} reused"
+    t0 = time.monotonic()
+    shutil.rmtree(venv, ignore_errors=True)
+    # no pip of its own (ensurepip costs more than the install): this interpreter's pip installs into it
+    for cmd in ([python, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                [python, "-m", "pip", "--python", str(vpython), "install", "-q", "--disable-pip-version-check",
+                 *leg.pip]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+        if r.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise RuntimeError(f"setting up its environment failed: {' '.join(cmd)}: {(r.stderr or r.stdout)[-500:]}")
+    marker.write_text(want)
+    return str(vpython), f"env {venv} built in {time.monotonic() - t0:.0f}s"
 
 
 # -------------------------------------------------------------------------- running
@@ -245,6 +280,12 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     budget = leg.budgets[host]
     limit = budget * HANG_FACTOR if time_left is None else min(budget * HANG_FACTOR, time_left)
     junit, log_path = out_dir / f"{leg.slug}.xml", out_dir / f"{leg.slug}.log"
+    try:
+        python, setup = leg_python(leg, python)         # not counted in the leg's seconds: a cached env costs nothing
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        write_error_junit(junit, leg, str(e))
+        log_path.write_text(f"{e}\n")
+        return LegResult(leg, "FAIL", budget, 0.0, detail=str(e))
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
            "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=system-out", *RUNS[leg.runs].args(leg, matrix), *extra]
     env = dict(os.environ, **leg.env)
@@ -297,8 +338,18 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     if counts["skipped"] and not leg.allow_skips:
         problems.append(f"{counts['skipped']} skipped (skips are not coverage on this leg)")
     over = seconds > budget
-    detail = "; ".join(problems + ([f"over its {budget}s budget"] if over else []))
+    detail = "; ".join(problems + ([f"over its {budget}s budget"] if over else []) + ([setup] if setup else []))
     return LegResult(leg, "FAIL" if problems else "PASS", budget, seconds, counts, detail)
+
+
+def lane_makespan(seconds: list[float], jobs: int) -> float:
+    """When the last of ``jobs`` lanes ends if legs of these durations start largest first, each
+    on the lane that frees up first (run_in_lanes' order): the run's wall time in legs."""
+    lanes = [0.0] * max(jobs, 1)
+    for s in sorted(seconds, reverse=True):
+        i = lanes.index(min(lanes))
+        lanes[i] += s
+    return max(lanes)
 
 
 def run_in_lanes(legs: list, run_one, jobs: int, key) -> list:

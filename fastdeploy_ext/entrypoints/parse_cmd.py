@@ -64,6 +64,7 @@ def add_parse_commands(sub, command_parser) -> None:
     p.add_argument("--lease-ttl", type=float, default=60.0, metavar="S",
                    help="--workers: a worker silent for S seconds loses its pages to the others")
     p.add_argument("--lease-pages", type=int, default=4, metavar="N", help="--workers: pages per lease")
+    add_ray_args(p)
     p.add_argument("--json-progress", action="store_true",
                    help="one JSON progress line every few seconds on stdout instead of the bar")
     p.add_argument("--progress-interval", type=float, default=5.0, metavar="S", help=argparse.SUPPRESS)
@@ -78,6 +79,51 @@ def add_parse_commands(sub, command_parser) -> None:
     s.add_argument("output", metavar="DIR")
     s.add_argument("--json", action="store_true", help="one JSON object")
     s.set_defaults(func=cmd_parse_status)
+
+
+#: `--ray` without an address: ray.init's own rule (RAY_ADDRESS, a cluster `ray start`ed on this host, else a
+#: new local one)
+RAY_DEFAULT_ADDRESS = "default"
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """`parse --ray`: the pipeline on a Ray cluster (the optional [ray] extra; parsing/ray_cluster.py)."""
+    g = p.add_argument_group("cluster (Ray)")
+    g.add_argument("--ray", nargs="?", const=RAY_DEFAULT_ADDRESS, default=None, metavar="ADDRESS",
+                   help="run the workers as Ray actors: ADDRESS of the cluster (host:6379, ray://host:10001, auto), "
+                        "or none for ray.init's default; --output must be on a path every node mounts")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=None, metavar="G",
+                   help="--ray: GPUs per worker actor (default 1 where the cluster has GPUs, 0 with --device cpu)")
+    g.add_argument("--ray-num-workers", default="auto", metavar="N|auto",
+                   help="--ray: worker actors (auto: cluster GPUs / GPUs per worker, or one per node without GPUs)")
+    g.add_argument("--ray-render", default="tasks", choices=("tasks", "actor"),
+                   help="--ray: render pages as CPU tasks over the cluster, or in each worker's own processes")
+    g.add_argument("--max-attempts", type=int, default=3, metavar="N",
+                   help="--ray: a page whose worker was lost N times (killed, preempted, silent past --lease-ttl) "
+                        "is recorded as failed instead of handed out again")
+
+
+def ray_options_from_args(ns: argparse.Namespace):
+    """The --ray flags -> RayOptions (a bad value is a CliError)."""
+    import os
+
+    from ..parsing.ray_cluster import RayOptions
+    address = None if ns.ray == RAY_DEFAULT_ADDRESS else ns.ray
+    if address is not None and os.path.exists(address):
+        raise CliError(f"--ray took {address!r} (an input path) as the cluster address: put --ray after the inputs, "
+                       "or write --ray=ADDRESS")
+    n = ns.ray_num_workers
+    try:
+        workers = None if n == "auto" else int(n)
+    except ValueError:
+        raise CliError(f"--ray-num-workers {n!r}: a number or auto") from None
+    opts = RayOptions(address=address, gpus_per_worker=ns.ray_gpus_per_worker, num_workers=workers,
+                      max_attempts=ns.max_attempts, render=ns.ray_render)
+    try:
+        opts.validate()
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return opts
 
 
 def parse_options_from_args(ns: argparse.Namespace, *, output: str | None, default_dummy: bool = False):
@@ -134,7 +180,7 @@ def cmd_parse(args) -> int:
     from ..parsing.workspace import WorkspaceLocked
     opts = parse_options_from_args(args, output=args.output)
     t0 = time.perf_counter()
-    parser = DocumentParser(opts)
+    parser = DocumentParser(opts) if args.ray is None else _ray_parser(opts, args)
     progress: list[Progress] = []
 
     def start(total: int) -> None:
@@ -162,6 +208,20 @@ def cmd_parse(args) -> int:
                     st.failed + st.pending, st.input_errors, args.output, args.output, EXIT_PAGES_FAILED)
         return EXIT_PAGES_FAILED
     return 0
+
+
+def _ray_parser(opts, args):
+    try:
+        from ..parsing.ray_cluster import RayDocumentParser
+        import ray  # noqa: F401
+    except ImportError:
+        raise CliError("--ray needs Ray: pip install 'fastdeploy-ext[ray]' (ray==2.60.0)") from None
+    if opts.workers > 1 or opts.gpus:
+        raise CliError("--ray places one worker per device itself: drop --workers/--gpus (use --ray-num-workers)")
+    try:
+        return RayDocumentParser(opts, ray_options_from_args(args))
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def _gpu_busy(parser):

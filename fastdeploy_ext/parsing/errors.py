@@ -3,8 +3,9 @@ and why, in words a user can act on. The writer records ``stage`` and ``message`
 errors.jsonl; the run goes on with the other pages."""
 from __future__ import annotations
 
-#: the pipeline's stages, in the order a page goes through them
-STAGES = ("input", "render", "layout", "vlm", "assemble", "write")
+#: the pipeline's stages, in the order a page goes through them; "worker": every worker that held the
+#: page was lost (a distributed run's --max-attempts)
+STAGES = ("input", "render", "layout", "vlm", "assemble", "write", "worker")
 
 
 class PageError(Exception):
