@@ -24,23 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.moe import BUILTIN_MOE_BACKENDS, MoEExpertsBackend
+from ..eager_decoder import EagerDecoder, apply_rotary
 from .config import TextConfig
 from .vision import Projections, RMSNorm, SwiGLU
 
 log = logging.getLogger(__name__)
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    pos = positions.reshape(-1).float()
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
-    f = pos[:, None] * inv
-    f = torch.cat((f, f), -1)
-    return f.cos().to(dtype), f.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
 
 
 #: the routed experts' backend of a decoder no runner has configured (portable, every device)
@@ -90,25 +78,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekOCR2Decoder(nn.Module):
+class DeepseekOCR2Decoder(EagerDecoder):
     """The DecoderModel the step runner drives (models/interface.py)."""
 
     def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def fused(self) -> bool:
-        return False
-
-    @fused.setter
-    def fused(self, on: bool) -> None:
-        if on:
-            log.info("deepseek_ocr2 decoder: no fused passes yet (the plan's fused layers do not apply): ATen layers")
+        super().__init__(cfg, (DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), "deepseek_ocr2")
 
     @property
     def moe_experts(self) -> MoEExpertsBackend:
@@ -120,18 +95,3 @@ class DeepseekOCR2Decoder(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.backend = backend
-
-    def embed(self, token_ids, image_embeds=None, image_index=None) -> torch.Tensor:
-        x = self.embed_tokens(token_ids)
-        if image_embeds is not None and image_index is not None and image_index.numel():
-            x = x.index_copy(0, image_index, image_embeds.to(x.dtype))
-        return x
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, attend)
-        return x
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
