@@ -53,9 +53,10 @@ class Leg:
     allow_skips: bool = False
     pending: str | None = None
     family: str | None = None                     # conformance legs: --fdx-family (default family if None)
+    suite: str | None = None                      # conformance legs: --fdx-suite (full if None)
 
     FIELDS = ("name", "device", "runs", "hosts", "budget_s", "backend", "paths", "plan", "env",
-              "block_transformers", "allow_skips", "pending", "family")
+              "block_transformers", "allow_skips", "pending", "family", "suite")
 
     @property
     def slug(self) -> str:
@@ -107,7 +108,8 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
                   backend=d.get("backend"), paths=tuple(d.get("paths") or ()), plan=plan,
                   env={k: str(v) for k, v in (d.get("env") or {}).items()},
                   block_transformers=bool(d.get("block_transformers", False)),
-                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"))
+                  allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"),
+                  suite=d.get("suite"))
         RUNS[leg.runs].check(leg)
         legs.append(leg)
     return Matrix(legs, int(data["cpu_budget_total_s"]), int(data["gpu_budget_total_s"]))
@@ -130,6 +132,9 @@ class RunKind:
             raise MatrixError(f"leg {leg.name}: runs {leg.runs} needs `paths`")
         if leg.family and leg.runs != "conformance":
             raise MatrixError(f"leg {leg.name}: `family` is the conformance suite's --fdx-family (runs {leg.runs})")
+        if leg.suite and (leg.runs != "conformance" or leg.suite not in ("full", "core")):
+            raise MatrixError(f"leg {leg.name}: `suite` is the conformance suite's --fdx-suite, full or core "
+                              f"(runs {leg.runs}, suite {leg.suite!r})")
 
     def args(self, leg: Leg, matrix: Matrix) -> list[str]:
         args = list(self.target or leg.paths)
@@ -137,6 +142,8 @@ class RunKind:
             args += ["--fdx-backend", leg.backend]
         if leg.family:
             args += ["--fdx-family", leg.family]
+        if leg.suite:
+            args += ["--fdx-suite", leg.suite]
         if leg.plan:
             args += ["--fdx-plan", ",".join(f"{k}={v}" for k, v in leg.plan.items())]
         if leg.runs == "unit":
