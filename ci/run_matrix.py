@@ -58,9 +58,10 @@ class Leg:
     family: str | None = None                     # conformance legs: --fdx-family (default family if None)
     setup: str | None = None                      # a script run before the tests (e.g. installs a browser)
     pip: tuple[str, ...] = ()                     # the leg's own environment: these requirements on top of ours
+    suite: str | None = None                      # conformance legs: --fdx-suite (full if None)
 
     FIELDS = ("name", "device", "runs", "hosts", "budget_s", "backend", "paths", "plan", "env",
-              "block_transformers", "allow_skips", "pending", "family", "setup", "pip")
+              "block_transformers", "allow_skips", "pending", "family", "setup", "pip", "suite")
 
     @property
     def slug(self) -> str:
@@ -113,7 +114,8 @@ def load_matrix(path: str | Path = DEFAULT_MATRIX) -> Matrix:
                   env={k: str(v) for k, v in (d.get("env") or {}).items()},
                   block_transformers=bool(d.get("block_transformers", False)),
                   allow_skips=bool(d.get("allow_skips", False)), pending=d.get("pending"), family=d.get("family"),
-                  setup=d.get("setup"), pip=tuple(str(r) for r in (d.get("pip") or ())))
+                  setup=d.get("setup"), pip=tuple(str(r) for r in (d.get("pip") or ())),
+                  suite=d.get("suite"))
         if leg.setup is not None and not (ROOT / leg.setup).is_file():
             raise MatrixError(f"leg {name}: setup {leg.setup} is not a file of the repository")
         RUNS[leg.runs].check(leg)
@@ -138,6 +140,9 @@ class RunKind:
             raise MatrixError(f"leg {leg.name}: runs {leg.runs} needs `paths`")
         if leg.family and leg.runs != "conformance":
             raise MatrixError(f"leg {leg.name}: `family` is the conformance suite's --fdx-family (runs {leg.runs})")
+        if leg.suite and (leg.runs != "conformance" or leg.suite not in ("full", "core")):
+            raise MatrixError(f"leg {leg.name}: `suite` is the conformance suite's --fdx-suite, full or core "
+                              f"(runs {leg.runs}, suite {leg.suite!r})")
 
     def args(self, leg: Leg, matrix: Matrix) -> list[str]:
         args = list(self.target or leg.paths)
@@ -145,6 +150,8 @@ class RunKind:
             args += ["--fdx-backend", leg.backend]
         if leg.family:
             args += ["--fdx-family", leg.family]
+        if leg.suite:
+            args += ["--fdx-suite", leg.suite]
         if leg.plan:
             args += ["--fdx-plan", ",".join(f"{k}={v}" for k, v in leg.plan.items())]
         if leg.runs == "unit":

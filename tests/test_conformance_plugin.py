@@ -51,3 +51,22 @@ def test_the_ci_blocker_makes_transformers_unimportable(pytester, monkeypatch):
     r = pytester.runpytest_subprocess("-p", "no_transformers", "-p", "no:cacheprovider")
     assert r.ret == 0, r.stdout.str()
     r.stdout.fnmatch_lines(["*transformers: BLOCKED*"])
+
+
+def test_the_core_suite_deselects_the_extended_tests_by_name(pytester):
+    """--fdx-suite core (a family's second leg on one machine) drops the fdx_extended tests and
+    names each (the full suite, the default, runs them: every other conformance run)."""
+    pytester.makepyfile("""
+        import pytest
+        @pytest.mark.fdx_extended
+        def test_variant():
+            pass
+        def test_core():
+            pass
+    """)
+    # in a subprocess: torch imported in-process by an earlier pytester run cannot be imported again
+    core = pytester.runpytest_subprocess("--fdx-backend", "cpu", "--fdx-suite", "core", "-p", "no:cacheprovider")
+    assert core.ret == 0, core.stdout.str()
+    core.assert_outcomes(passed=1, deselected=1)
+    core.stdout.fnmatch_lines(["*not run on this leg (needs a full suite, the leg's is core (--fdx-suite))*"
+                               "test_variant*", "*fastdeploy_ext conformance (core suite): backend=cpu*"])

@@ -49,6 +49,24 @@ def test_a_conformance_leg_names_its_family_and_only_conformance_legs_may(tmp_pa
                  + leg("cpu/x", more=", family: deepseek_ocr2"))
     with pytest.raises(run_matrix.MatrixError, match="leg cpu/x: `family` is the conformance suite's --fdx-family"):
         run_matrix.load_matrix(bad)
+    # its emulated and cpu_amx-sim legs on the CI box run the core suite (--fdx-suite core)
+    for name in ("cpu/deepseek-ocr2[cpu_amx,avx2-only-sim]", "metax-emulated/deepseek-ocr2"):
+        other = next(leg for leg in m.legs if leg.name == name)
+        args = run_matrix.RUNS[other.runs].args(other, m)
+        assert args[args.index("--fdx-family") + 1] == "deepseek_ocr2", name
+        assert args[args.index("--fdx-suite") + 1] == "core", name
+    assert "--fdx-suite" not in args_of(ds, m)
+    for more, runs in ((", suite: core", "unit"), (", suite: quick", "conformance")):
+        bad = _write(tmp_path, "cpu_budget_total_s: 600\ngpu_budget_total_s: 60\nlegs:\n" + leg("cpu/x", more=more))
+        if runs == "conformance":
+            bad.write_text(bad.read_text().replace("runs: unit, paths: [" + str(tmp_path) + "/test_pass.py]",
+                                                   "runs: conformance, backend: cpu"))
+        with pytest.raises(run_matrix.MatrixError, match="leg cpu/x: `suite` is the conformance suite's --fdx-suite"):
+            run_matrix.load_matrix(bad)
+
+
+def args_of(leg, m):
+    return run_matrix.RUNS[leg.runs].args(leg, m)
 
 
 def _write(tmp_path: Path, matrix: str) -> Path:

@@ -88,6 +88,9 @@ class ConformanceFixture(ABC):
     """One family's tiny models and references. Cases are built on first use (a leg that runs
     only encode tests never computes generation references)."""
     facts: ClassVar[frozenset[FamilyFact]] = frozenset()
+    #: the suite the session runs (--fdx-suite): "core" (a family's second leg on one machine)
+    #: lets a fixture build its cases from fewer requests, each property still checked
+    suite: str = "full"
 
     def __init__(self, workdir: str | Path):
         self.workdir = Path(workdir)

@@ -23,6 +23,9 @@ def pytest_addoption(parser):
     g.addoption("--fdx-detector-family", default=None,
                 help="layout detector family whose tiny model and references the detector tests run (default: the "
                      "default detector family with the default --fdx-family, else none; none: no detector tests)")
+    g.addoption("--fdx-suite", default="full", choices=("full", "core"),
+                help="core: deselect (by name, in the summary) the tests marked fdx_extended: scheduling variants "
+                     "of cases the core keeps (a second leg of a family on the same machine costs less)")
     g.addoption("--fdx-no-emulate", action="store_true",
                 help="never emulate a missing device (fail instead of entering the backend's emulation mode)")
 
@@ -108,6 +111,8 @@ def family_fixture_of(config):
         from .family_fixture import ConformanceFixture
         config._fdx_workdir = tempfile.TemporaryDirectory(prefix=f"fdx-{name}-")
         fx = family.conformance_fixture(config._fdx_workdir.name)
+        if fx is not None:
+            fx.suite = config.getoption("--fdx-suite")
         if fx is not None and not isinstance(fx, ConformanceFixture):
             config._fdx_family_fixture = (None, f"{name} is a {family.role} family: its conformance tests are the "
                                                 f"detector tests (--fdx-detector-family {name})")
@@ -124,6 +129,8 @@ def pytest_configure(config):
                                        "(--fdx-detector-family; deselected, and named in the summary, with none)")
     config.addinivalue_line("markers", "fdx_device(type): conformance test that needs a torch device of this "
                                        "type (deselected, and named in the summary, on other legs)")
+    config.addinivalue_line("markers", "fdx_extended: conformance test of a variant of a case the core suite "
+                                       "keeps (deselected, and named in the summary, with --fdx-suite core)")
     config.addinivalue_line("markers", "fdx_backend(*names): conformance test of what only these backends "
                                        "decide (deselected, and named in the summary, on other legs)")
     backend = config.getoption("--fdx-backend")
@@ -188,11 +195,22 @@ def _deselect_detector_tests(config, items) -> None:
         items[:] = [i for i in items if i not in drop]
 
 
+def _deselect_extended(config, items) -> None:
+    if config.getoption("--fdx-suite") != "core":
+        return
+    drop = [i for i in items if i.get_closest_marker("fdx_extended")]
+    if drop:
+        config._fdx_not_run += [(i.nodeid, "full suite", "core (--fdx-suite)") for i in drop]
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if i not in drop]
+
+
 def pytest_collection_modifyitems(session, config, items):
     backend = config.getoption("--fdx-backend")
     if backend:
         _deselect_by_family_facts(config, items)
         _deselect_detector_tests(config, items)
+        _deselect_extended(config, items)
     by_backend = [i for i in items if i.get_closest_marker("fdx_backend")
                   and backend not in i.get_closest_marker("fdx_backend").args]
     if backend and by_backend:
@@ -245,6 +263,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     plan = getattr(config, "_fdx_plan_line", "")
     tag = " EMULATED" if config._fdx_emulated else ""
+    if config.getoption("--fdx-suite") == "core":
+        tag += " (core suite)"
     for nodeid, need, have in config._fdx_not_run:
         terminalreporter.write_line(f"not run on this leg (needs a {need}, the leg's is {have}): {nodeid}")
     for nodeid in config._fdx_skips.skipped:

@@ -149,6 +149,7 @@ def test_a_padding_segment_leaves_real_outputs_unchanged(dtype, backend_cls, mak
     _compare(dtype, got[:-1], ref, "padded_vs_unpadded_eager", record_property)
 
 
+@pytest.mark.fdx_extended          # a check of the comparison itself, not of the backend
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_replay_tolerances_can_fail(dtype, backend_cls, make_runner, tiny_models, batch_for, record_property):
     """Mutation of the compared features: noise of 3% of their mean magnitude must fail the

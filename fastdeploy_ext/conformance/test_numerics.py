@@ -52,7 +52,9 @@ def _dtypes(backend_cls):
     return row.dtypes
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# the core suite keeps fp32 parity; bf16's cosine is a variant (bf16 is checked there by the
+# teacher-forced logits through vision and decoder: test_generate.py)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.fdx_extended)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_encode_matches_transformers(layout, dtype, tiny_models, expected, make_runner, backend_cls,
                                      record_property):

@@ -78,6 +78,7 @@ def _run(runner, case) -> torch.Tensor:
     return got
 
 
+@pytest.mark.fdx_extended          # the core suite's fp32 decoder check: greedy ids against the reference's
 def test_text_logits_fp32(backend_cls, make_runner, text_ref):
     if "float32" not in _row(backend_cls).dtypes:
         pytest.fail(f"row {_row(backend_cls).name} has no float32: the fp32 parity check cannot run")
@@ -91,6 +92,7 @@ def test_text_logits_fp32(backend_cls, make_runner, text_ref):
         assert err <= FP32_TOL, (name, err)
 
 
+@pytest.mark.fdx_extended          # the core suite's bf16 decoder check: test_generate's teacher-forced logits
 def test_text_logits_bf16(backend_cls, make_runner, text_ref):
     row = _row(backend_cls)
     if "bfloat16" not in row.dtypes:
