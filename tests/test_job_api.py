@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import json
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -226,6 +227,9 @@ def test_a_corrupt_file_is_the_clients_failed_state_with_the_reason(api, server,
         with pytest.raises(api.errors.JobFailedError) as e:
             c.parse_document(file_path=str(bad))
     assert e.value.error_msg and "input" in e.value.error_msg
+    # the message names the job's input, never where the server keeps it
+    assert "document.pdf" in e.value.error_msg or "broken.pdf" in e.value.error_msg, e.value.error_msg
+    assert tempfile.gettempdir() not in e.value.error_msg, e.value.error_msg      # the jobs dir is a temp dir here
 
 
 def test_a_wrong_token_is_the_clients_auth_error(api, server):

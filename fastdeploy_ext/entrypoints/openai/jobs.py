@@ -497,8 +497,14 @@ class _JobSink:
 
 # ------------------------------------------------------------------ results
 def _errors(ws_dir: Path) -> list[dict]:
+    """The workspace's error records, their messages without the server's own paths: a client
+    sees its document named as the job's input (``input/document.pdf``), not where it lives."""
     f = ws_dir / "errors.jsonl"
-    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    records = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    job_dir = str(ws_dir.parent.resolve()) + os.sep
+    for r in records:
+        r["message"] = str(r.get("message", "")).replace(job_dir, "").replace(str(ws_dir.parent) + os.sep, "")
+    return records
 
 
 def _input_error(ws_dir: Path) -> str:
