@@ -22,9 +22,9 @@ def test_the_matrix_covers_every_device_within_budget():
     ci = sum(leg.budgets["ci"] for leg in active if "ci" in leg.hosts)
     gpu = sum(leg.budgets["gpu"] for leg in active if "gpu" in leg.hosts)
     # budgets are per-leg caps (a leg over its own is flagged); the ci legs run in CI_JOBS lanes,
-    # largest first: the lanes must end within the run's wall budget (~25 min with the install)
+    # largest first: the lanes must end within the run's wall budget (27 min: ~22 measured + margin)
     wall = run_matrix.lane_makespan([leg.budgets["ci"] for leg in active if "ci" in leg.hosts], run_matrix.CI_JOBS)
-    assert wall <= m.cpu_budget_total_s <= 25 * 60, f"CI legs end after {wall:.0f}s in {run_matrix.CI_JOBS} lanes ({ci}s in legs)"
+    assert wall <= m.cpu_budget_total_s <= 27 * 60, f"CI legs end after {wall:.0f}s in {run_matrix.CI_JOBS} lanes ({ci}s in legs)"
     assert gpu <= m.gpu_budget_total_s <= 10 * 60, f"GPU legs budget {gpu}s"
     # each device runs the conformance suite on some host; the suite also runs without transformers
     assert {leg.device for leg in active if leg.runs == "conformance"} == set(run_matrix.DEVICES)
