@@ -13,10 +13,8 @@ shapes, the tiny tower end to end, and `info` choosing the kernels.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +31,8 @@ from fastdeploy_ext.ops.attention.biased import (SDPA_BIAS, SDPA_MASK, TRITON_PR
                                                  SdpaPrefixMask, SdpaRelPos, prefix_mask)
 from fastdeploy_ext.ops.triton import runtime as ta  # noqa: E402
 from fastdeploy_ext.plan import BUILTIN_TOWER, ComponentKind, PlanRequest, QkvLayout, resolve_for_components  # noqa: E402
+from .triton_interpreter import run_interp_tests
 
-_REPO = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not ta.TRITON_INTERPRETED, reason="interpreter test: runs in test_interpreter_subprocess")
 WINDOW, GLOBAL, PREFIX = (ComponentKind.RELPOS_WINDOW_ATTENTION, ComponentKind.RELPOS_GLOBAL_ATTENTION,
                           ComponentKind.PREFIX_CAUSAL_ATTENTION)
@@ -107,14 +105,7 @@ def test_interpreter_subprocess():
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
     if torch.cuda.is_available():
         pytest.skip("a CUDA host runs the compiled kernels (test_cuda_*); cpu/unit runs the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-           "-k", "test_interp_"]
-    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=900)
-    tail = (res.stdout + res.stderr)[-6000:]
-    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+    run_interp_tests(__file__, timeout=900)
 
 
 @interp

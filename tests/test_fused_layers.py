@@ -3,10 +3,6 @@ against their ATen references (under the Triton interpreter on CPU, compiled on 
 encoder forward against the eager one, and the plan's fused_layers decision."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +18,8 @@ from fastdeploy_ext.ops.triton import runtime as rt
 from fastdeploy_ext.plan import PlanError, PlanRequest, resolve_plan
 
 from .plan_facts import ALL_PRESENT, absent
+from .triton_interpreter import run_interp_tests
 
-_REPO = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not rt.TRITON_INTERPRETED, reason="runs in test_fused_interpreter_subprocess")
 
 
@@ -89,12 +85,8 @@ def test_fused_interpreter_subprocess():
     pytest.importorskip("triton")
     if rt.TRITON_INTERPRETED:
         pytest.skip("already interpreting: the test_interp_* tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_interp_"], cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=300)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0 and "5 passed" in res.stdout, out[-4000:]
+    res = run_interp_tests(__file__, timeout=300)
+    assert "5 passed" in res.stdout, res.stdout[-4000:]
 
 
 def test_bad_shapes_are_clear_errors():

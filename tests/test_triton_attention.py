@@ -17,10 +17,6 @@ CUDA (when present, compiled mode): ``test_cuda_*`` check bf16/fp16 at realistic
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +27,10 @@ from fastdeploy_ext.ops.attention.varlen import get_backend
 from fastdeploy_ext.ops.rotary import rotary_qk_in_place_torch
 from fastdeploy_ext.ops.triton import runtime as rt
 from fastdeploy_ext.ops.triton import varlen_attention as ta
+from .triton_interpreter import run_interp_tests
 
 SEQ_LENS = [5, 17, 64, 3]
 H = 2
-_REPO = Path(__file__).resolve().parents[1]
 
 interp = pytest.mark.skipif(
     not rt.TRITON_INTERPRETED,
@@ -129,15 +125,7 @@ def test_interpreter_subprocess():
     """Run the test_interp_* tests in a child process started with TRITON_INTERPRET=1."""
     if rt.TRITON_INTERPRETED:
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-           "-k", "test_interp_"]
-    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=600)
-    tail = (res.stdout + res.stderr)[-6000:]
-    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+    run_interp_tests(__file__, timeout=600)
 
 
 # ----------------------------------------------------------------------- interpreter (CPU) runs

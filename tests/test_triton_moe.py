@@ -9,10 +9,6 @@ is first imported, so the ``test_interp_*`` tests run in a child process started
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +17,8 @@ from fastdeploy_ext.ops.moe import BUILTIN_MOE_BACKENDS, aten_experts
 from fastdeploy_ext.ops.triton import grouped_moe as gm
 from fastdeploy_ext.ops.triton import runtime as rt
 from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
+from .triton_interpreter import run_interp_tests
 
-_REPO = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not rt.TRITON_INTERPRETED,
                             reason="interpreter test: runs in test_interpreter_subprocess")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or rt.triton is None or bool(rt.TRITON_INTERPRETED),
@@ -213,14 +209,7 @@ def test_interpreter_subprocess():
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
     if rt.triton is None:
         pytest.skip("triton not importable")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-           "-k", "test_interp_"]
-    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=900)
-    tail = (res.stdout + res.stderr)[-6000:]
-    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+    run_interp_tests(__file__, timeout=900)
 
 
 def _case(t, k, e, h, i, *, all_to=None, seed=0):

@@ -7,11 +7,7 @@ bf16 is covered by ``test_cuda_*`` on a GPU; fp32 (exact dots) and fp16 run here
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +16,8 @@ pytest.importorskip("triton")
 
 from fastdeploy_ext.ops.triton import runtime as ta
 from fastdeploy_ext.ops.attention.paged import KVCache, PagedStepMeta, sdpa_decode, sdpa_prefill
+from .triton_interpreter import run_interp_tests
 
-_REPO = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not ta.TRITON_INTERPRETED,
                             reason="interpreter test: runs in test_interpreter_subprocess")
 
@@ -73,14 +69,7 @@ def _prefill_case(hq, hkv, d, dtype, device="cpu", block_m=16):
 def test_interpreter_subprocess():
     if ta.TRITON_INTERPRETED:
         pytest.skip("already in interpreter mode: the test_interp_* tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-           "-k", "test_interp_"]
-    res = subprocess.run(cmd, check=False, cwd=str(_REPO), env=env, capture_output=True, text=True, timeout=900)
-    tail = (res.stdout + res.stderr)[-6000:]
-    assert res.returncode == 0, f"interpreter tests failed (rc={res.returncode}):\n{tail}"
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], tail
+    run_interp_tests(__file__, timeout=900)
 
 
 @interp
