@@ -29,6 +29,8 @@ from fastdeploy_ext.plan import (DEFAULT_VIEW_GRAPH_PATHS, Decision, GraphOptimi
 from fastdeploy_ext.runner import ImageBatch
 from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
 
+from .graph_fakes import HostGraphAPI
+
 CPU = torch.device("cpu")
 TINY = DeepseekOCR2Config(
     sam=SamConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=64, global_attn_indexes=(1,),
@@ -44,35 +46,6 @@ PATHS = (ViewGraphPath("global", (1, 3)), ViewGraphPath("local", (2, 4, 8)))
 NO_CROP, SIX, TWO = (1, 1, 1), (7, 3, 2), (3, 1, 2)
 
 
-class _ReplayGraph:
-    """A graph whose replay re-runs the captured call and writes into the captured output."""
-
-    def __init__(self, forward, out):
-        self.forward, self.out, self.replays = forward, out, 0
-
-    def replay(self):
-        self.out.copy_(self.forward())
-        self.replays += 1
-
-
-class _HostGraphAPI(DeviceAPI):
-    supports_graphs = True
-    name = "host-graphs"
-
-    def graph_pool(self):
-        return None
-
-    def reserved_bytes(self) -> int:
-        return 0
-
-    def new_stream(self):
-        return None
-
-    def capture_graph(self, forward, pool, stream=None, warmup: int = 2):
-        out = forward()
-        return _ReplayGraph(forward, out), out
-
-
 @dataclasses.dataclass
 class _Runner:
     """What DeepseekEncoderGraphs reads from a runner."""
@@ -83,7 +56,7 @@ class _Runner:
     strided: bool = True
 
     def __post_init__(self):
-        self.device_api = _HostGraphAPI(self.device)
+        self.device_api = HostGraphAPI(self.device)
         self.meta_builder = VisionMetadataBuilder(self.cfg, device=self.device)
         self.execution = get_family("deepseek_ocr2").vision_execution(None, self.strided, False)
 
@@ -248,7 +221,7 @@ def test_the_runner_encodes_through_the_graphs_once_captured(tower, monkeypatch)
     grids = [SIX, NO_CROP, TWO]
     batch = ImageBatch(_pixels(grids, seed=7), grids)
     eager = runner.encode_images(batch)
-    runner.device_api = _HostGraphAPI(CPU)
+    runner.device_api = HostGraphAPI(CPU)
     runner.plan = dataclasses.replace(runner.plan, graphs=Decision(PATHS, "test"))
     report = runner.capture_graphs()
     assert isinstance(runner.graphs, DeepseekEncoderGraphs) and report.captured == 5

@@ -5,7 +5,6 @@ decisions per row; and on CUDA (skipped elsewhere; it runs in cuda/unit on the H
 eager bitwise."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -13,12 +12,13 @@ import torch
 from fastdeploy_ext.capabilities import capability_table
 from fastdeploy_ext.models.pp_doclayout_v3 import tiny as td
 from fastdeploy_ext.detector_graphs import DetectorGraphs, bucket_for, plan_chunks
-from fastdeploy_ext.device_api import DeviceAPI
 from fastdeploy_ext.models.pp_doclayout_v3.config import PPDocLayoutV3Config
 from fastdeploy_ext.models.pp_doclayout_v3.loader import load_detector
 from fastdeploy_ext.models.registry import get_family
 from fastdeploy_ext.plan import (DEFAULT_DETECTOR_CAPTURE_SIZES, ComponentKind, GraphOptimizationConfig, PlanError,
                                  PlanRequest, resolve_for_components)
+
+from .graph_fakes import HostGraphAPI
 
 BUCKETS = (1, 2, 4)
 OUTPUTS = ("logits", "pred_boxes", "order_logits", "enc_outputs_class", "enc_outputs_coord_logits")
@@ -37,39 +37,6 @@ def test_buckets_and_chunks():
         plan_chunks(2, (0, 2))
 
 
-class _ReplayGraph:
-    """A graph whose replay re-runs the captured call and writes into the captured outputs."""
-
-    def __init__(self, forward, out):
-        self.forward, self.out, self.replays = forward, out, 0
-
-    def replay(self):
-        new = self.forward()
-        for f in dataclasses.fields(self.out):
-            t = getattr(self.out, f.name)
-            if t is not None:
-                t.copy_(getattr(new, f.name))
-        self.replays += 1
-
-
-class _HostGraphAPI(DeviceAPI):
-    supports_graphs = True
-    name = "host-graphs"
-
-    def graph_pool(self):
-        return None
-
-    def reserved_bytes(self) -> int:
-        return 0
-
-    def new_stream(self):
-        return None
-
-    def capture_graph(self, forward, pool, stream=None, warmup: int = 2):
-        out = forward()
-        return _ReplayGraph(forward, out), out
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     cfg = PPDocLayoutV3Config.from_dict(dict(td.TINY) | {"backbone_config": td.BACKBONE, "num_queries": 20})
@@ -79,7 +46,7 @@ def tiny_model():
 
 def _graphs(model):
     runner = type("R", (), {})()
-    runner.device_api, runner.detector, runner.device, runner.dtype = (_HostGraphAPI(torch.device("cpu")), model,
+    runner.device_api, runner.detector, runner.device, runner.dtype = (HostGraphAPI(torch.device("cpu")), model,
                                                                        torch.device("cpu"), torch.float32)
     g = DetectorGraphs(runner, BUCKETS, (td.IMAGE, td.IMAGE))
     report = g.capture()

@@ -455,10 +455,10 @@ def test_v2s_forward_replays_per_bucket_with_each_real_page_its_eager_outputs(ou
     with its eager outputs (bitwise against the same padded buffer), no masks."""
     from fastdeploy_ext.detector_graphs import DetectorGraphs
 
-    from .test_detector_graphs import _HostGraphAPI
+    from .graph_fakes import HostGraphAPI
     model = ours[0]
     runner = type("R", (), {})()
-    runner.device_api, runner.detector, runner.device, runner.dtype = (_HostGraphAPI(CPU), model, CPU, torch.float32)
+    runner.device_api, runner.detector, runner.device, runner.dtype = (HostGraphAPI(CPU), model, CPU, torch.float32)
     graphs = DetectorGraphs(runner, (1, 2, 4), (fx.IMAGE, fx.IMAGE))
     assert graphs.capture().captured == 3
     pixels = torch.rand(7, 3, fx.IMAGE, fx.IMAGE, generator=torch.Generator().manual_seed(2))
