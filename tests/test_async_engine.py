@@ -90,6 +90,83 @@ def test_abort_and_client_disconnect_free_blocks():
     asyncio.run(main())
 
 
+def _submit_all(eng, items, timeout=30):
+    """``submit`` each (rid, prompt, params); returns {rid: (output, error, thread name)} once all ended."""
+    import threading
+    got, lock, done = {}, threading.Lock(), threading.Event()
+
+    def cb_for(rid):
+        def cb(out, err):
+            with lock:
+                assert rid not in got, "a callback called twice"
+                got[rid] = (out, err, threading.current_thread().name)
+                if len(got) == len(items):
+                    done.set()
+        return cb
+    for rid, prompt, params in items:
+        eng.submit(rid, prompt, params, 0, cb_for(rid))
+    assert done.wait(timeout), f"ended: {sorted(got)}"
+    return got
+
+
+def test_submit_calls_back_once_with_the_final_output_of_generate():
+    """The loop-free face: one callback per request, on the step loop's thread, carrying the same
+    tokens and text as a streamed generate; nothing streamed per token."""
+    async def main():
+        eng = make_async()
+        await eng.start()
+        streamed = await asyncio.gather(*[collect(eng, f"g{i}", p) for i, p in enumerate(prompts(3))])
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(None, _submit_all, eng, [(f"s{i}", p, P) for i, p in enumerate(prompts(3))])
+        for i in range(3):
+            out, err, thread = got[f"s{i}"]
+            assert err is None and thread == "fdx-step-loop"
+            assert out.finish_reason == "length" and out.token_ids == streamed[i][-1].token_ids
+            assert out.text == streamed[i][-1].text and out.delta_token_ids == out.token_ids
+        assert eng.stats().kv_blocks_used == 0 and not eng._callbacks
+        await eng.shutdown()
+    asyncio.run(main())
+
+
+def test_submit_reports_refusals_and_aborts_and_a_raising_callback_harms_nobody():
+    async def main():
+        eng = make_async()
+        await eng.start()
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(None, _submit_all, eng, [("bad", {"prompt": "x", "images": [b"junk"]}, P)])
+        out, err, _ = got["bad"]
+        assert out is None and err.startswith("InvalidRequest") and "image 0" in err
+        # a callback that raises is logged; the loop and the next request go on
+        eng.submit("boom", prompts(1)[0], P, 0, lambda out, err: 1 / 0)
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+        def abort_soon():
+            import threading
+            threading.Timer(0.05, eng.abort_nowait, ("long",)).start()
+            return _submit_all(eng, [("long", prompts(1)[0], long), ("ok", prompts(1)[0], P)])
+        got = await loop.run_in_executor(None, abort_soon)
+        assert got["ok"][1] is None and got["ok"][0].finish_reason == "length"
+        assert got["long"][1] == "abort" and got["long"][0].finish_reason == "abort"
+        assert eng.healthy and eng.stats().kv_blocks_used == 0
+        with pytest.raises(InvalidRequest, match="already running"):
+            eng.submit("dup", prompts(1)[0], long, 0, lambda *a: None)
+            eng.submit("dup", prompts(1)[0], long, 0, lambda *a: None)
+        await eng.shutdown(drain=False)
+        with pytest.raises(EngineDead):
+            eng.submit("late", prompts(1)[0], P, 0, lambda *a: None)
+    asyncio.run(main())
+
+
+def test_submit_learns_that_the_step_loop_died():
+    async def main():
+        eng = make_async(runner=ExplodingRunner())
+        await eng.start()
+        got = await asyncio.get_running_loop().run_in_executor(None, _submit_all, eng, [("x", prompts(1)[0], P)])
+        assert got["x"][0] is None and "EngineDead" in got["x"][1] and "device lost" in got["x"][1]
+        await eng.shutdown(drain=False)
+    asyncio.run(main())
+
+
 class ExplodingRunner(FakeRunner):
     def execute(self, step):
         raise RuntimeError("device lost")

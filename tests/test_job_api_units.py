@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fastdeploy_ext.engine.errors import EngineDead
 from fastdeploy_ext.entrypoints.openai.jobs import (JobService, JobsConfig, JobState, QueueFull, ServedEngineDriver,
                                                     _JobSink)
 from fastdeploy_ext.entrypoints.openai.serving_jobs import JobAPIError, check_model, job_options, served_version
@@ -107,58 +108,46 @@ def test_blocks_go_to_the_served_engine_below_chat_by_the_priority_offset():
     seen = []
 
     class Engine:
-        async def generate(self, rid, prompt, params, priority=0):
+        def submit(self, rid, prompt, params, priority, on_done):
             seen.append(priority)
-            yield SimpleNamespace(text="x", finished=True)
+            on_done(SimpleNamespace(text="x", finished=True), None)
 
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    try:
-        drv = ServedEngineDriver(Engine(), loop, priority_offset=100)
-        got = []
-        done = threading.Event()
-        drv.submit({"prompt": "p"}, None, 3, lambda out, err: (got.append((out.text, err)), done.set()))
-        assert done.wait(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
-    assert seen == [103] and got == [("x", None)]
+    drv = ServedEngineDriver(Engine(), priority_offset=100)
+    got = []
+    drv.submit({"prompt": "p"}, None, 3, lambda out, err: got.append((out.text, err)))
+    assert seen == [103] and got == [("x", None)] and not drv._active
 
 
 def test_an_abandoned_run_aborts_its_blocks_in_the_served_engine():
-    aborted, started = [], threading.Event()
-    release = asyncio.Event
-
     class Engine:
         def __init__(self):
-            self.gate = None
+            self.pending, self.aborted = {}, []
 
-        async def generate(self, rid, prompt, params, priority=0):
-            self.gate = release()
-            started.set()
-            await self.gate.wait()                       # a long block: until aborted
-            yield SimpleNamespace(text="", finished=True, finish_reason="abort")
+        def submit(self, rid, prompt, params, priority, on_done):
+            self.pending[rid] = on_done                  # a long block: until aborted
 
-        async def abort(self, rid):
-            aborted.append(rid)
-            self.gate.set()
+        def abort_nowait(self, rid):
+            self.aborted.append(rid)
+            self.pending.pop(rid)(SimpleNamespace(text="", finished=True, finish_reason="abort"), "abort")
 
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    try:
-        eng = Engine()
-        drv = ServedEngineDriver(eng, loop, priority_offset=0)
-        done = threading.Event()
-        drv.submit({"prompt": "p"}, None, 0, lambda out, err: done.set())
-        assert started.wait(10)
-        drv.abort()
-        assert done.wait(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
-    assert len(aborted) == 1 and aborted[0].startswith("job-") and not drv._active
+    eng = Engine()
+    drv = ServedEngineDriver(eng, priority_offset=0)
+    got = []
+    drv.submit({"prompt": "p"}, None, 0, lambda out, err: got.append(err))
+    assert len(drv._active) == 1
+    drv.abort()
+    assert got == ["abort"] and len(eng.aborted) == 1 and eng.aborted[0].startswith("job-") and not drv._active
+
+
+def test_a_block_the_stopping_engine_refuses_fails_alone():
+    class Engine:
+        def submit(self, rid, prompt, params, priority, on_done):
+            raise EngineDead("the engine is not running (not started or shutting down)")
+
+    got = []
+    drv = ServedEngineDriver(Engine(), priority_offset=0)
+    drv.submit({"prompt": "p"}, None, 0, lambda out, err: got.append((out, err)))
+    assert got == [(None, "EngineDead: the engine is not running (not started or shutting down)")] and not drv._active
 
 
 def test_a_page_refused_while_the_server_stops_is_not_recorded_as_failed(tmp_path):

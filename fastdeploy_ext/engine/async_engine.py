@@ -6,6 +6,11 @@ through thread-safe hand-offs only: a request is preprocessed in the engine's wo
 queued; each step's outputs are delivered to per-request channels with call_soon_threadsafe.
 A consumer that stops iterating aborts its request.
 
+``submit`` is the loop-free face for callers that want only each request's final output (the
+parsing jobs' block requests): no coroutine and no event-loop hand-off per request; its callback
+runs on the step loop's thread. With hundreds of blocks in flight the per-request asyncio
+machinery held the GIL longer than the step loop's own host work.
+
 Outputs are deltas (outputs.py). A request's channel holds at most one unread output: a new
 one is folded into the unread one (deltas appended), so a consumer that stops reading costs
 O(its sequence) memory whatever the number of steps, and reads everything it missed at once
@@ -26,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from .config import EngineConfig
 from .errors import EngineDead, InvalidRequest, RequestFailed
@@ -79,6 +84,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._accepting = False
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, OutputChannel]] = {}
+        self._callbacks: dict[str, Callable] = {}  # submit()'s requests: on_done(output, error)
         self._qlock = threading.Lock()
         self._preprocessing: set[str] = set()    # in the worker pool, not yet queued in the engine
         self._aborted_early: set[str] = set()    # aborted while preprocessing
@@ -153,21 +159,63 @@ class AsyncLLMEngine:
             self.error = f"step loop died: {type(e).__name__}: {e}"
             log.exception("engine step loop died")
             with self._qlock:
-                rids = list(self._queues)
+                rids = list(self._queues) + list(self._callbacks)
             for rid in rids:
                 self._deliver(rid, EngineDead(self.error))
 
     def _deliver(self, request_id: str, item) -> None:
         with self._qlock:
             entry = self._queues.get(request_id)
-        if entry is not None:
+            done = isinstance(item, BaseException) or item.finished
+            cb = self._callbacks.pop(request_id, None) if entry is None and done else None
+        if cb is not None:
+            self._call_back(request_id, cb, item)
+        elif entry is not None:
             loop, q = entry
             try:
                 loop.call_soon_threadsafe(q.push, item)
             except RuntimeError:        # the caller's loop is closed: nobody listens any more
                 pass
 
+    @staticmethod
+    def _call_back(request_id: str, cb: Callable, item) -> None:
+        """``cb(output, None)`` for a request that ended well, ``cb(None or output, why)`` else;
+        a callback that raises is logged and never stops the step loop."""
+        if isinstance(item, BaseException):
+            args = (None, f"{type(item).__name__}: {item}")
+        elif item.finish_reason in ("error", "abort"):
+            args = (item, item.error or item.finish_reason)
+        else:
+            args = (item, None)
+        try:
+            cb(*args)
+        except Exception:  # noqa: BLE001 - the caller's bug must not kill every other request
+            log.exception("the done-callback of request %s raised", request_id)
+
     # ------------------------------------------------------------------ requests
+    def submit(self, request_id: str, prompt: PromptInput, params: SamplingParams | None, priority: int,
+               on_done: Callable) -> None:
+        """Thread-safe, no event loop: preprocess in the engine's pool and queue without
+        streaming; ``on_done`` is called once, with the final output (the step loop's thread)
+        or with why the request was refused or failed. EngineDead / InvalidRequest (a duplicate
+        id) are raised here, before anything is queued."""
+        self._check_alive()
+        with self._qlock:
+            if request_id in self._queues or request_id in self._callbacks:
+                raise InvalidRequest(f"request id {request_id!r} is already running")
+            self._callbacks[request_id] = on_done
+        fut = self.engine.submit(request_id, prompt, params, stream=False, priority=priority)
+        fut.add_done_callback(lambda f: self._submitted(request_id, f))
+
+    def _submitted(self, request_id: str, fut) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or err is not None:            # refused by preprocessing: never queued
+            with self._qlock:
+                cb = self._callbacks.pop(request_id, None)
+            if cb is not None:
+                self._call_back(request_id, cb, err if err is not None else InvalidRequest("cancelled"))
+        self._wake.set()
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDead(self.error)
@@ -175,9 +223,12 @@ class AsyncLLMEngine:
             raise EngineDead("the engine is not running (not started or shutting down)")
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as deltas (outputs.py); the last has finish_reason set and the
-        whole generation. ``priority``: lower is scheduled earlier, FIFO among equals
+        whole generation. ``stream=False``: only that last one (no per-token delivery, no
+        incremental detokenization: what a caller that reads only the final text wants, since
+        with hundreds of requests running the per-token hand-offs cost the step loop more than
+        the step). ``priority``: lower is scheduled earlier, FIFO among equals
         (scheduler.py). InvalidRequest is raised before anything is queued (a bad priority
         included); RequestFailed if the request fails in the engine; EngineDead if the step loop
         dies."""
@@ -201,7 +252,7 @@ class AsyncLLMEngine:
                     aborted = request_id in self._aborted_early
                     self._aborted_early.discard(request_id)
             self._check_alive()
-            eng.add_sequence(seq, stream=True)
+            eng.add_sequence(seq, stream=stream)
             if aborted:                  # aborted while preprocessing: it ends with "abort" at once
                 eng.abort_request(request_id)
             self._wake.set()
@@ -229,6 +280,10 @@ class AsyncLLMEngine:
         return len(entry[1]) if entry is not None else 0
 
     async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """``abort`` from any thread (the engine's abort is thread-safe)."""
         with self._qlock:
             if request_id in self._preprocessing:
                 self._aborted_early.add(request_id)
@@ -250,7 +305,7 @@ class AsyncLLMEngine:
             return
         if not drain:
             with self._qlock:
-                rids = list(self._queues)
+                rids = list(self._queues) + list(self._callbacks)
             for rid in rids:
                 eng.abort_request(rid)
             self._wake.set()

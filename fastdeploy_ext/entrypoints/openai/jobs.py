@@ -91,11 +91,12 @@ class JobsConfig:
 # ------------------------------------------------------------------ the served engine as a driver
 class ServedEngineDriver:
     """The pipeline's engine driver over the server's AsyncLLMEngine: each block is one
-    ``generate`` on the server's event loop at the job priority, so parsing and chat share one
-    step loop and one KV pool, chat first."""
+    non-streaming ``submit`` at the job priority, so parsing and chat share one step loop and one
+    KV pool, chat first. Blocks bypass the event loop (no coroutine per block, the callback runs
+    on the step loop's thread), which keeps the GIL for the step loop and the HTTP side."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, priority_offset: int, times=None):
-        self.engine, self.loop, self.offset, self.times = engine, loop, priority_offset, times
+    def __init__(self, engine, priority_offset: int, times=None):
+        self.engine, self.offset, self.times = engine, priority_offset, times
         self.error = None
         self._ids = 0
         self._lock = threading.Lock()
@@ -106,20 +107,15 @@ class ServedEngineDriver:
             self._ids += 1
             rid = f"job-{os.getpid()}-{id(self):x}-{self._ids}"
             self._active.add(rid)
-        asyncio.run_coroutine_threadsafe(self._one(rid, prompt, params, priority + self.offset, on_done), self.loop)
 
-    async def _one(self, rid, prompt, params, priority, on_done) -> None:
-        last = None
-        try:
-            async for out in self.engine.generate(rid, prompt, params, priority=priority):
-                last = out
-        except Exception as e:  # noqa: BLE001 - this block fails (its page with it); the job goes on
-            on_done(None, f"{type(e).__name__}: {e}")
-            return
-        finally:
+        def done(out, err):
             with self._lock:
                 self._active.discard(rid)
-        on_done(last, None if last is not None else "no output")
+            on_done(out, err)
+        try:
+            self.engine.submit(rid, prompt, params, priority + self.offset, done)
+        except Exception as e:  # noqa: BLE001 - refused (the engine stops): this block fails, the job goes on
+            done(None, f"{type(e).__name__}: {e}")
 
     def abort(self) -> None:
         """The run was abandoned (the server stops): its blocks in the engine end now rather
@@ -127,7 +123,7 @@ class ServedEngineDriver:
         with self._lock:
             rids = list(self._active)
         for rid in rids:
-            asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self.loop)
+            self.engine.abort_nowait(rid)
 
     def close(self) -> None:
         pass
@@ -378,7 +374,7 @@ class JobService:
     def _driver_factory(self):
         if self.base_opts.stub_vlm:
             return None
-        return lambda times: ServedEngineDriver(self.engine, self._loop, self.config.priority_offset, times)
+        return lambda times: ServedEngineDriver(self.engine, self.config.priority_offset, times)
 
     def _run_job(self, rec: JobRecord) -> None:
         from ...parsing import coordinator
