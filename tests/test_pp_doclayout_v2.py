@@ -487,3 +487,67 @@ def test_the_suite_runs_v2_alone_by_its_option():
     assert "PASSED fastdeploy_ext/conformance/test_detector.py::test_the_plan_decides_every_detector_component" \
            "[pp_doclayout_v2]" in r.stdout, r.stdout[-3000:]
     assert "[pp_doclayout_v3]" not in r.stdout and "detector=pp_doclayout_v2 " in r.stdout
+
+
+def _step_one_kept_box(runner, got, grid_units: float):
+    """Our outputs with one kept box moved right by just enough to cross its x0's integer step
+    (plus ``grid_units`` beyond it), and the order_logits our network gives for the moved box:
+    what a within-tolerance box difference at an integer step does on another device."""
+    import dataclasses
+
+    from fastdeploy_ext.models.pp_doclayout_v2.model import sorted_reading_order_inputs
+    model = runner.detector
+    grid, _, num_kept = sorted_reading_order_inputs(got.logits, got.pred_boxes, model.thresholds, model.class_order)
+    frac = grid[0, : int(num_kept[0]), 0].frac()
+    q = int(torch.argmax(frac))                            # the x0 closest to its next integer
+    boxes = got.pred_boxes.clone()
+    boxes[0, q, 0] += float((1 - frac[q]) + grid_units) / 1000
+    with torch.no_grad():
+        order = model.order_logits_of(got.logits, boxes)
+    return dataclasses.replace(got, pred_boxes=boxes, order_logits=order), (1 - frac[q]).item() + grid_units
+
+
+def test_a_grid_step_within_tolerance_is_compared_teacher_forced_and_a_wrong_network_still_fails(v2_case):
+    """Two devices' boxes within the tolerance can truncate to neighbouring grid integers, and the
+    order logits jump: ``reconcile`` then compares our network on the reference's grid (saying so).
+    It cannot hide a wrong network (its weights perturbed) nor a box outside the tolerance."""
+    from fastdeploy_ext.conformance.detector_checks import check_outputs
+    _, case = v2_case
+    runner = _cpu_runner()
+    runner.load_detector(str(case.model_dir))
+    want = case.expected(CPU)["live"]
+    got = runner.detect_device(case.pixels)
+    assert case.reconcile(runner, got, want) == (got, None)          # no step: compared as it is
+    stepped, moved = _step_one_kept_box(runner, got, 1e-3)
+    assert moved / 1000 <= case.tolerance
+    with pytest.raises(AssertionError, match="order_logits: max abs error"):
+        check_outputs(stepped, want, case.tolerance, "live")
+    compared, note = case.reconcile(runner, stepped, want)
+    assert note.startswith("1 kept-box grid coordinate(s) truncate to another integer") and compared.pred_boxes is \
+        stepped.pred_boxes
+    check_outputs(compared, want, case.tolerance, "live")
+    far, _ = _step_one_kept_box(runner, got, 0.5)                   # 0.5 grid units: beyond the box tolerance
+    assert case.reconcile(runner, far, want) == (far, None)
+    with torch.no_grad():
+        runner.detector.reading_order.relative_head.dense.weight.mul_(1.01)   # a wrong network
+    try:
+        compared, note = case.reconcile(runner, stepped, want)
+        assert note is not None
+        with pytest.raises(AssertionError, match="order_logits: max abs error"):
+            check_outputs(compared, want, case.tolerance, "live")
+    finally:
+        with torch.no_grad():
+            runner.detector.reading_order.relative_head.dense.weight.div_(1.01)
+
+
+def test_the_goldens_of_a_stepped_grid_are_the_reconciled_outputs_post_processing(v2_case, monkeypatch):
+    from fastdeploy_ext.conformance.detector_checks import check_detections
+    _, case = v2_case
+    runner = _cpu_runner()
+    runner.load_detector(str(case.model_dir))
+    assert case.detections_for_goldens(runner)[1] is None
+    real = runner.detect_device
+    monkeypatch.setattr(runner, "detect_device", lambda pixels: _step_one_kept_box(runner, real(pixels), 1e-3)[0])
+    dets, note = case.detections_for_goldens(runner)
+    assert "the goldens compared with those outputs' post-processing" in note
+    check_detections(dets, case.goldens(CPU))

@@ -103,8 +103,12 @@ def detect_case(request):
 @pytest.fixture(scope="session")
 def make_detector_runner(backend_cls):
     """make_detector_runner(model_dir, **PlanRequest fields) -> a runner of the backend under test
-    with the detector loaded."""
+    with the detector loaded. The first plan is resolved for the checkpoint's detector family
+    (a detector-only request, e.g. detector graphs, is refused by a VLM family's plan)."""
+    from ..models.registry import detect_family
+
     def make(model_dir, **req):
+        req.setdefault("model_family", detect_family(str(model_dir)).family.name)
         runner = backend_cls.create(PlanRequest(device=backend_cls.name, **req))
         runner.load_detector(model_dir)
         return runner

@@ -135,6 +135,14 @@ class DetectCase:
     topk_margin: float = 1e-3                            # the encoder's k-th vs k+1-th score, at least
     #: golden_for(device) -> the goldens valid on that device (None: ``golden`` holds everywhere)
     golden_for: Callable[[torch.device], list[list[dict]]] | None = None
+    #: reconcile(runner, got, want) -> (outputs to compare, note or None): a family whose outputs
+    #: have a step function of an earlier output (V2's integer box coordinates) replaces the
+    #: outputs behind a step that a within-tolerance difference crossed by the same network run
+    #: on the reference's inputs, saying so; it never touches outputs compared as they are
+    reconcile: Callable[[Any, Any, dict], tuple[Any, str | None]] | None = None
+    #: detections_for_goldens(runner) -> (per-page detections to compare with the goldens, note
+    #: or None); None: ``runner.detect`` at ``threshold``
+    detections_for_goldens: Callable[[Any], tuple[list, str | None]] | None = None
 
     def goldens(self, device: torch.device) -> list[list[dict]]:
         return self.golden if self.golden_for is None else self.golden_for(device)

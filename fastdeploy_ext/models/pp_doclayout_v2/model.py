@@ -46,11 +46,28 @@ def reading_order_inputs(logits: torch.Tensor, boxes: torch.Tensor, thresholds: 
     # implementation's, so only the same op on the same device gives the reference's sequence
     perm = torch.argsort(kept.int(), dim=1, descending=True)
     kept_sorted = kept.gather(1, perm)
+    boxes_sorted = boxes.gather(1, perm[..., None].expand(-1, -1, 4))
+    grid, labels = _grid_and_labels(kept_sorted, cls.gather(1, perm), boxes_sorted, class_order)
+    return perm, grid, labels, kept.sum(1)
+
+
+def _grid_and_labels(kept: torch.Tensor, cls: torch.Tensor, boxes: torch.Tensor, class_order: torch.Tensor):
+    """Kept boxes (cx, cy, w, h in [0, 1]) as corners on the 0..1000 grid (the rest zero boxes)
+    and their classes through ``class_order`` (the rest class_order[0]), all already kept-first."""
     c, wh = boxes[..., :2], boxes[..., 2:]
     grid = (torch.cat([c - 0.5 * wh, c + 0.5 * wh], -1) * 1000).clamp(0.0, 1000.0)
-    grid = torch.where(kept_sorted[..., None], grid.gather(1, perm[..., None].expand(-1, -1, 4)), 0.0)
-    labels = class_order[torch.where(kept_sorted, cls.gather(1, perm), 0)]
-    return perm, grid, labels, kept.sum(1)
+    grid = torch.where(kept[..., None], grid, 0.0)
+    return grid, class_order[torch.where(kept, cls, 0)]
+
+
+def sorted_reading_order_inputs(logits: torch.Tensor, boxes: torch.Tensor, thresholds: torch.Tensor,
+                                class_order: torch.Tensor):
+    """``(grid, labels, num_kept)`` of outputs already in kept-first order (the model's own
+    ``logits`` / ``pred_boxes``): what the reading-order network read to make ``order_logits``."""
+    best, cls = logits.max(-1)
+    kept = best.sigmoid() >= thresholds[cls]
+    grid, labels = _grid_and_labels(kept, cls, boxes, class_order)
+    return grid, labels, kept.sum(1)
 
 
 class PPDocLayoutV2(nn.Module):
@@ -77,6 +94,16 @@ class PPDocLayoutV2(nn.Module):
         if value:
             raise ValueError("PP-DocLayoutV2 has no mask head: masks cannot be computed for this family")
 
+    @property
+    def thresholds(self) -> torch.Tensor:
+        return self.threshold_bits.view(torch.float32)
+
+    def order_logits_of(self, logits: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        """The reading-order network on kept-first outputs (``forward``'s logits and pred_boxes,
+        or a reference's): its ``order_logits`` for exactly those inputs."""
+        grid, labels, num_kept = sorted_reading_order_inputs(logits, boxes, self.thresholds, self.class_order)
+        return self.reading_order(grid, labels, num_kept)
+
     def set_deformable_kernel(self, kernel: Callable) -> None:
         self.model.set_deformable_kernel(kernel)
 
@@ -85,8 +112,7 @@ class PPDocLayoutV2(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> DetectorOutputs:
         logits, boxes, st = self.model(pixels)
-        perm, grid, labels, num_kept = reading_order_inputs(logits, boxes, self.threshold_bits.view(torch.float32),
-                                                            self.class_order)
+        perm, grid, labels, num_kept = reading_order_inputs(logits, boxes, self.thresholds, self.class_order)
         order = self.reading_order(grid, labels, num_kept)
         logits = logits.gather(1, perm[..., None].expand(-1, -1, logits.shape[-1]))
         boxes = boxes.gather(1, perm[..., None].expand(-1, -1, 4))
