@@ -1,39 +1,36 @@
 """Peak activation memory of one full step (vision pass + prefill), for sizing the KV pool.
 
 Where the device API reports allocator statistics (CUDA, and MACA's CUDA-compatible torch) it
-is measured: a dummy vision pass over
-``max_encoder_patches`` patches and a dummy prefill of ``max_num_batched_tokens`` tokens, with the
-allocator's peak read before and after; the temporary KV blocks the prefill needs are not
-counted (the engine sizes the KV pool separately). Elsewhere it is an estimate from the model's
-shapes (the host API reports none: the CPU has no allocator statistics worth trusting).
+is measured: a dummy vision pass over the largest image batch one step's ``max_encoder_patches``
+admits, in the model family's own pixel/grid form (ModelFamily.profile_images), and a dummy
+prefill of ``max_num_batched_tokens`` tokens, with the allocator's peak read before and after;
+the temporary KV blocks the prefill needs are not counted (the engine sizes the KV pool
+separately). Elsewhere it is an estimate from the model's shapes, the family's figures
+(ModelFamily.activation_bytes): the host API reports none (the CPU has no allocator statistics
+worth trusting).
 """
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 log = logging.getLogger(__name__)
 
 
-def _grid_for(patches: int, merge: int) -> tuple[int, int, int]:
-    """A (1, h, w) grid with h*w <= patches, h and w multiples of merge, near square."""
-    side = max(merge, int(math.isqrt(patches)) // merge * merge)
-    w = max(merge, patches // side // merge * merge)
-    return 1, side, w
+def decoder_prefill_bytes(tokens: int, *, hidden: int, q: int, kv: int, intermediate: int,
+                          element_size: int) -> int:
+    """A decoder layer's live activations over ``tokens`` (the families' estimates share it):
+    residual, normed input, qkv, attention out, gate/up + activation, per token. ``q`` / ``kv``:
+    the query / key-value widths (heads x head_dim)."""
+    return tokens * (3 * hidden + q + 2 * kv + q + 3 * intermediate) * element_size
 
 
 def estimate_peak_bytes(runner, max_num_batched_tokens: int, max_encoder_patches: int) -> int:
     el = torch.empty((), dtype=runner.dtype).element_size()
-    vc, tc = runner.cfg.vision, runner.cfg.text
-    # vision: residual + LN + qkv + attention out + MLP intermediate live at once, per patch
-    vision = max_encoder_patches * (4 * vc.hidden_size + 3 * vc.hidden_size + vc.intermediate_size) * el
-    # text: residual, normed input, qkv, attention out, gate/up + activation, per token
-    q = tc.num_attention_heads * tc.head_dim
-    kv = tc.num_key_value_heads * tc.head_dim
-    text = max_num_batched_tokens * (3 * tc.hidden_size + q + 2 * kv + q + 3 * tc.intermediate_size) * el
-    logits = 256 * tc.vocab_size * 4          # a decode batch's float32 logits (default max_num_seqs)
+    family, cfg = runner.family, runner.cfg
+    vision, text = family.activation_bytes(cfg, max_num_batched_tokens, max_encoder_patches, el)
+    logits = 256 * family.vocab_size(cfg) * 4          # a decode batch's float32 logits (default max_num_seqs)
     return int(max(vision, text + logits) * 1.5)   # 1.5: allocator slack and temporaries
 
 
@@ -45,16 +42,14 @@ def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches
                  runner.device.type, api.name, est / 2 ** 20)
         return est
     from .engine.step import SeqStep, StepBatch
-    from .runner import ImageBatch
     text = runner._require_text()
     api.synchronize()
     api.reset_peak_allocated()
     base = api.allocated_bytes()
-    merge = runner.cfg.vision.spatial_merge_size
-    grid = _grid_for(max_encoder_patches, merge)
-    vc = runner.cfg.vision
-    pv = torch.zeros(grid[1] * grid[2], vc.num_channels, vc.patch_size, vc.patch_size)
-    runner.encode_images(ImageBatch(pv, [grid]))
+    family, cfg = runner.family, runner.cfg
+    batch = family.profile_images(cfg, max_encoder_patches)     # the largest batch one step admits
+    cost = sum(family.encoder_cost(cfg, g) for g in batch.grid_thw)
+    runner.encode_images(batch)
     api.synchronize()
     vision_peak = api.peak_allocated_bytes() - base
 
@@ -76,8 +71,9 @@ def profile_peak_memory(runner, max_num_batched_tokens: int, max_encoder_patches
     text.free_kv_cache()
     api.empty_cache()
     peak = max(vision_peak, text_peak)
-    log.info("peak step memory (measured): vision %d patches %.1f MiB, prefill %d tokens %.1f MiB "
-             "(temporary KV %.1f MiB not counted)", grid[1] * grid[2], vision_peak / 2 ** 20, n,
+    log.info("peak step memory (measured): vision %d images of encoder cost %d (budget %d) %.1f MiB, prefill %d "
+             "tokens %.1f MiB (temporary KV %.1f MiB not counted)", len(batch.grid_thw), cost, max_encoder_patches,
+             vision_peak / 2 ** 20, n,
              text_peak / 2 ** 20, kv_bytes / 2 ** 20)
     return int(peak)
 

@@ -267,8 +267,10 @@ def test_memory_profile_measures_through_the_device_api(monkeypatch, no_torch_cu
         text.kv = None
     text.init_kv_cache, text.free_kv_cache = init_kv_cache, free_kv_cache
     vision = types.SimpleNamespace(spatial_merge_size=2, num_channels=3, patch_size=2)
+    from fastdeploy_ext.models.paddleocr_vl.family import PaddleOCRVLFamily
     runner = types.SimpleNamespace(device_api=api, device=torch.device("cpu"), _require_text=lambda: text,
-                                   cfg=types.SimpleNamespace(vision=vision), encode_images=lambda batch: None)
+                                   family=PaddleOCRVLFamily(), cfg=types.SimpleNamespace(vision=vision),
+                                   encode_images=lambda batch: None)
     peak = memory_profile.profile_peak_memory(runner, 32, 16)
     assert peak == 7000 - 1000                      # peak_allocated_bytes - allocated_bytes at the reset
     assert api.calls.count("reset_peak_allocated") == 2 and api.calls[-1] == "empty_cache"

@@ -221,6 +221,22 @@ class ModelFamily(Family):
         """What encoding one item of this grid costs, in the unit the scheduler budgets per step
         against --max-encoder-patches (e.g. input patches t*h*w); at least 1."""
 
+    # --- memory profile (memory_profile.py: the engine sizes its KV pool from it)
+    @abstractmethod
+    def profile_images(self, cfg: Any, max_encoder_patches: int) -> Any:
+        """The dummy runner.ImageBatch the measured memory profile encodes: the largest (in activation
+        memory) one step's encoder budget admits (a sum of ``encoder_cost`` <= the budget), in
+        the family's own pixel/grid form (``check_pixels`` accepts it); at least one item, the
+        smallest, when the budget admits none."""
+
+    @abstractmethod
+    def activation_bytes(self, cfg: Any, max_num_batched_tokens: int, max_encoder_patches: int,
+                         element_size: int) -> tuple[int, int]:
+        """Estimated peak activation bytes (where the device API reports no allocator
+        statistics) as (one vision pass over the encoder budget, one prefill of
+        ``max_num_batched_tokens`` tokens), at ``element_size`` bytes per element; weights, KV
+        and logits excluded."""
+
     @abstractmethod
     def eos_token_ids(self, cfg: Any) -> tuple[int, ...]:
         """The token ids that end a generation."""

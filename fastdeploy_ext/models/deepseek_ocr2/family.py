@@ -139,6 +139,37 @@ class DeepseekOCR2Family(ModelFamily):
         """Input patches: 4096 for the global view + 2304 per crop."""
         return cfg.image_patches(int(grid[0]) - 1)
 
+    # --- memory profile
+    def profile_images(self, cfg: DeepseekOCR2Config, max_encoder_patches: int):
+        from ...runner import ImageBatch
+        n, s = profile_views(cfg, max_encoder_patches), cfg.sam
+        pv = torch.zeros(n * cfg.image_patches(0), s.num_channels, s.patch_size, s.patch_size)
+        return ImageBatch(pv, [(1, 1, 1)] * n)
+
+    def activation_bytes(self, cfg: DeepseekOCR2Config, max_num_batched_tokens, max_encoder_patches, element_size):
+        """Vision: the global path over profile_images' views: SAM's per-patch activations
+        (residual, LN, qkv, attention out, MLP), a global layer's decomposed relative-position
+        bias [views, heads, N, N] (materialized for ATen's SDPA), then the Qwen2 encoder over
+        [visual, queries]. Prefill: the larger of the dense and MoE layers per token, plus ATen's
+        gathered experts (one chunk of tokens x top-k experts' gate/up weights)."""
+        from ...memory_profile import decoder_prefill_bytes
+        from ...ops.moe import GATHER_CHUNK
+        s, e, t, el = cfg.sam, cfg.encoder, cfg.text, element_size
+        views, n = profile_views(cfg, max_encoder_patches), cfg.patches(cfg.base_size)
+        sam = views * n * (7 * s.hidden_size + s.mlp_dim) * el + views * s.num_attention_heads * n * n * el
+        encoder = decoder_prefill_bytes(views * 2 * cfg.global_queries, hidden=e.hidden_size,
+                                        q=e.hidden_size, kv=e.num_key_value_heads * e.head_dim,
+                                        intermediate=e.intermediate_size, element_size=el)
+        moe = (t.num_experts_per_tok + t.n_shared_experts) * t.moe_intermediate_size
+        dense = t.intermediate_size if t.first_k_dense else 0
+        text = decoder_prefill_bytes(max_num_batched_tokens, hidden=t.hidden_size, q=t.num_attention_heads * t.head_dim,
+                                     kv=t.num_key_value_heads * t.head_dim, intermediate=max(dense, moe),
+                                     element_size=el)
+        if t.first_k_dense < t.num_hidden_layers:
+            chunk = min(max_num_batched_tokens, GATHER_CHUNK) * t.num_experts_per_tok
+            text += chunk * 2 * t.moe_intermediate_size * t.hidden_size * el
+        return sam + encoder, text
+
     def eos_token_ids(self, cfg: DeepseekOCR2Config) -> tuple[int, ...]:
         return (cfg.text.eos_token_id,)
 
@@ -180,3 +211,12 @@ class DeepseekOCR2Family(ModelFamily):
     def conformance_fixture(self, workdir):
         from .conformance import DeepseekOCR2Conformance
         return DeepseekOCR2Conformance(workdir)
+
+
+def profile_views(cfg: DeepseekOCR2Config, max_encoder_patches: int) -> int:
+    """Images without crops one step's budget admits (at least one): the worst case. The two
+    paths run one after the other and the crop path of any admitted batch has fewer patches
+    than this global path; a global view also has more patches than a crop (SAM's global
+    attention is quadratic in them)."""
+    return max(1, max_encoder_patches // cfg.image_patches(0))
+

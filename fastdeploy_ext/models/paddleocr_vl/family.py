@@ -2,6 +2,7 @@
 only through these hooks. Registered as ``paddleocr_vl`` under ``fastdeploy_ext.models``."""
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Sequence
 
 import torch
@@ -108,6 +109,27 @@ class PaddleOCRVLFamily(ModelFamily):
     def encoder_cost(self, cfg, grid: Grid) -> int:
         t, h, w = grid
         return t * h * w            # input patches: what the packed vision pass's work scales with
+
+    # --- memory profile
+    def profile_images(self, cfg, max_encoder_patches):
+        """One image of a (1, h, w) grid with h*w <= the budget (at least merge x merge), h and w
+        multiples of the merge, near square: the packed pass's memory scales with its patches."""
+        from ...runner import ImageBatch
+        vc = cfg.vision
+        merge = vc.spatial_merge_size
+        side = max(merge, int(math.isqrt(max_encoder_patches)) // merge * merge)
+        w = max(merge, max_encoder_patches // side // merge * merge)
+        return ImageBatch(torch.zeros(side * w, vc.num_channels, vc.patch_size, vc.patch_size), [(1, side, w)])
+
+    def activation_bytes(self, cfg, max_num_batched_tokens, max_encoder_patches, element_size):
+        from ...memory_profile import decoder_prefill_bytes
+        vc, tc = cfg.vision, cfg.text
+        # vision: residual + LN + qkv + attention out + MLP intermediate live at once, per patch
+        vision = max_encoder_patches * (4 * vc.hidden_size + 3 * vc.hidden_size + vc.intermediate_size) * element_size
+        text = decoder_prefill_bytes(max_num_batched_tokens, hidden=tc.hidden_size,
+                                     q=tc.num_attention_heads * tc.head_dim, kv=tc.num_key_value_heads * tc.head_dim,
+                                     intermediate=tc.intermediate_size, element_size=element_size)
+        return vision, text
 
     def eos_token_ids(self, cfg) -> tuple[int, ...]:
         eos = getattr(cfg, "eos_token_id", None)

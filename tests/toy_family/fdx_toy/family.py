@@ -103,6 +103,22 @@ class ToyVLMFamily(ModelFamily):
         """What one image costs the encoder budget: its patches (the same for every image)."""
         return cfg.patches_per_image
 
+    def profile_images(self, cfg: ToyConfig, max_encoder_patches: int):
+        """As many (fixed-size) images as the budget admits, at least one."""
+        from fastdeploy_ext.runner import ImageBatch
+        n = max(1, max_encoder_patches // cfg.patches_per_image)
+        pv = torch.zeros(n * cfg.patches_per_image, cfg.num_channels, cfg.patch_size, cfg.patch_size)
+        return ImageBatch(pv, [cfg.grid] * n)
+
+    def activation_bytes(self, cfg: ToyConfig, max_num_batched_tokens, max_encoder_patches, element_size):
+        from fastdeploy_ext.memory_profile import decoder_prefill_bytes
+        d = cfg.vision_hidden_size
+        vision = max_encoder_patches * (7 * d + cfg.vision_intermediate_size) * element_size
+        text = decoder_prefill_bytes(max_num_batched_tokens, hidden=cfg.hidden_size,
+                                     q=cfg.num_attention_heads * cfg.head_dim, kv=cfg.num_key_value_heads * cfg.head_dim,
+                                     intermediate=cfg.intermediate_size, element_size=element_size)
+        return vision, text
+
     def eos_token_ids(self, cfg: ToyConfig) -> tuple[int, ...]:
         return (cfg.eos_token_id,)
 
