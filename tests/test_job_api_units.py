@@ -3,7 +3,6 @@
 the served engine, and no failure recorded for a page the stopping engine refused."""
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from types import SimpleNamespace
