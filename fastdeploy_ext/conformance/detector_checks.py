@@ -72,16 +72,17 @@ def check_detections(got: Sequence[Sequence], golden: Sequence[Sequence[Mapping]
 
 
 def check_same_kept_set(got: Sequence[Sequence], reference: Sequence[Mapping], *, score_tol: float = 1e-5,
-                        box_tol: float = 1e-3) -> None:
-    """The detections transformers' post_process_object_detection kept (per page: labels,
-    scores, boxes), compared as a set with ours: the same (label, score, box) entries."""
+                        box_tol: float = 1e-3, source: str = "transformers' post-processing") -> None:
+    """The detections another post-processing kept (per page: labels, scores, boxes; by default
+    transformers' post_process_object_detection), compared as a set with ours: the same
+    (label, score, box) entries, whatever their order."""
     if len(got) != len(reference):
-        raise AssertionError(f"{len(got)} pages, the reference post-processing has {len(reference)}")
+        raise AssertionError(f"{len(got)} pages, {source} has {len(reference)}")
     for p, (page, ref) in enumerate(zip(got, reference)):
         ours = sorted((d.label_id, d.score, d.bbox) for d in page)
         theirs = sorted(zip(ref["labels"], ref["scores"], map(tuple, ref["boxes"])))
         if len(ours) != len(theirs):
-            raise AssertionError(f"page {p}: {len(ours)} detections kept, transformers' post-processing {len(theirs)}")
+            raise AssertionError(f"page {p}: {len(ours)} detections kept, {source} {len(theirs)}")
         for (la, sa, ba), (lb, sb, bb) in zip(ours, theirs):
             if la != lb or abs(sa - sb) > score_tol or max(abs(x - y) for x, y in zip(ba, bb)) > box_tol:
-                raise AssertionError(f"page {p}: ({la}, {sa:.6f}, {ba}) != transformers' ({lb}, {sb:.6f}, {bb})")
+                raise AssertionError(f"page {p}: ({la}, {sa:.6f}, {ba}) != {source}: ({lb}, {sb:.6f}, {bb})")

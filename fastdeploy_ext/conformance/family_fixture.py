@@ -147,6 +147,10 @@ class DetectCase:
     def goldens(self, device: torch.device) -> list[list[dict]]:
         return self.golden if self.golden_for is None else self.golden_for(device)
 
+    def reconciled(self, runner, got, want: dict) -> tuple[Any, str | None]:
+        """``reconcile``'s (outputs to compare, note); ``(got, None)`` for a family without one."""
+        return (got, None) if self.reconcile is None else self.reconcile(runner, got, want)
+
 
 class DetectorConformanceFixture(ABC):
     """A detector family's tiny models and references (``DetectorFamily.conformance_fixture``):

@@ -35,7 +35,7 @@ def test_detector_outputs_match_transformers_in_fp32(runner, detect_case):
     assert expected and set(expected) <= {"shipped", "live"}
     for source, want in expected.items():
         check_topk_margin(want["enc_outputs_class"], detect_case.num_queries, detect_case.topk_margin)
-        compared, note = (got, None) if detect_case.reconcile is None else detect_case.reconcile(runner, got, want)
+        compared, note = detect_case.reconciled(runner, got, want)
         if note:
             print(f"{source}: {note}")
         errors = check_outputs(compared, want, detect_case.tolerance, source)
@@ -104,8 +104,7 @@ def test_detector_graph_replay_equals_eager_bitwise(make_detector_runner, detect
         r.detector_graphs = graphs
     # padded and unpadded batches run other kernels: a family with a step function of the boxes
     # (V2's integer grid) compares those outputs through its reconcile, reported
-    compared, note = (replayed, None) if detect_case.reconcile is None else detect_case.reconcile(
-        r, replayed, {k: getattr(unpadded, k) for k in OUTPUTS})
+    compared, note = detect_case.reconciled(r, replayed, {k: getattr(unpadded, k) for k in OUTPUTS})
     if note:
         print(f"replay vs unpadded eager: {note}")
     for k in OUTPUTS:

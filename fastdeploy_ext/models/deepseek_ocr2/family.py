@@ -219,4 +219,3 @@ def profile_views(cfg: DeepseekOCR2Config, max_encoder_patches: int) -> int:
     than this global path; a global view also has more patches than a crop (SAM's global
     attention is quadratic in them)."""
     return max(1, max_encoder_patches // cfg.image_patches(0))
-

@@ -105,19 +105,6 @@ def reconcile(runner, got, want: dict[str, torch.Tensor], *, tolerance: float):
     return dataclasses.replace(got, order_logits=forced.to(got.order_logits.device)), note
 
 
-def _same_kept_set(got, want) -> None:
-    """runner.detect's detections and the reconciled ones: the same (label, score, box) entries
-    per page, whatever their reading order."""
-    for p, (a, b) in enumerate(zip(got, want, strict=True)):
-        key = lambda d: (d.label_id, -d.score)  # noqa: E731
-        a, b = sorted(a, key=key), sorted(b, key=key)
-        if [d.label_id for d in a] != [d.label_id for d in b] or any(
-                abs(x.score - y.score) > 1e-5 or max(abs(u - v) for u, v in zip(x.bbox, y.bbox)) > 1e-3
-                for x, y in zip(a, b)):
-            raise AssertionError(f"page {p}: runner.detect kept other detections than its own outputs' "
-                                 "post-processing")
-
-
 class PPDocLayoutV2Conformance(DetectorConformanceFixture):
     def __init__(self, workdir):
         super().__init__(workdir)
@@ -196,18 +183,21 @@ class PPDocLayoutV2Conformance(DetectorConformanceFixture):
         """runner.detect's detections, or, where the goldens' reference is reconciled (a grid step,
         see ``reconcile``), the post-processing of the reconciled outputs, with runner.detect's
         kept set checked against theirs."""
+        from ...conformance.detector_checks import check_same_kept_set
         from ..pp_doclayout_v3.config import RELEASED_LABELS
         from ..pp_doclayout_v3.postprocess import detections
         got = runner.detect(case.pixels, case.sizes, threshold=case.threshold)
         refs = self.expected(runner.device)
         want = refs.get("live", refs.get("shipped"))        # the goldens' source (golden_for)
-        compared, note = case.reconcile(runner, runner.detect_device(case.pixels), want)
+        compared, note = case.reconciled(runner, runner.detect_device(case.pixels), want)
         if note is None:
             return got, None
         dets = detections(compared.logits.float().cpu(), compared.pred_boxes.float().cpu(),
                           compared.order_logits.float().cpu(), list(case.sizes), RELEASED_LABELS,
                           threshold=case.threshold)
-        _same_kept_set(got, dets)
+        check_same_kept_set(got, [{"labels": [d.label_id for d in page], "scores": [d.score for d in page],
+                                   "boxes": [d.bbox for d in page]} for page in dets],
+                            source="its own outputs' post-processing")
         return dets, note + "; the goldens compared with those outputs' post-processing"
 
 
