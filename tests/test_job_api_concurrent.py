@@ -87,7 +87,9 @@ def test_kill_9_with_several_jobs_running_resumes_each_and_every_page_is_done_on
     from fastdeploy_ext.parsing.status import workspace_status
 
     from . import server_harness
-    docs = ("lots_of_sci_tables.pdf", "skinnypage.pdf")
+    # the second document is the longer one: it is still running when the first has done a page
+    # (a short second job could finish before that, and the kill would find one job running)
+    docs = ("lots_of_sci_tables.pdf", "pdftotext_two_column_issue.pdf")
     pages = [pdf_pages(PDFS / d) for d in docs]
     jobs_dir = tmp_path / "jobs"
     first = ServerProc(*server_args(models, jobs_dir)).wait_healthy()

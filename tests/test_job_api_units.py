@@ -181,6 +181,11 @@ def test_max_running_jobs_is_checked_and_reaches_the_config(tmp_path):
                                  ).max_running_jobs == 2
     with pytest.raises(CliError, match="--max-running-jobs must be >= 1, got 0"):
         jobs_config_from_args(p.parse_args(["--jobs-dir", str(tmp_path), "--max-running-jobs", "0"]))
+    assert jobs_config_from_args(ns).pages_in_flight is None          # 4 x --max-pages-in-flight
+    assert jobs_config_from_args(p.parse_args(["--jobs-dir", str(tmp_path), "--job-pages-in-flight", "48"])
+                                 ).pages_in_flight == 48
+    with pytest.raises(CliError, match="--job-pages-in-flight must be >= 1, got 0"):
+        jobs_config_from_args(p.parse_args(["--jobs-dir", str(tmp_path), "--job-pages-in-flight", "0"]))
 
 
 def test_the_layout_model_shared_by_the_jobs_runs_one_call_at_a_time():

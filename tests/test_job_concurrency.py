@@ -100,10 +100,12 @@ def layout_dir(tmp_path_factory):
     return root
 
 
-def make_service(tmp_path, layout_dir, max_running: int, give_up_s: float = 120.0) -> tuple[JobService, Gate]:
+def make_service(tmp_path, layout_dir, max_running: int, give_up_s: float = 120.0,
+                 pages_in_flight: int | None = None) -> tuple[JobService, Gate]:
     opts = ParseOptions(stub_vlm=True, layout_model=str(layout_dir / "layout"), planted_layouts=str(layout_dir /
                         "planted.json"), render_workers=1, max_pages_in_flight=4, device="cpu", dtype="float32")
-    svc = JobService(JobsConfig(jobs_dir=tmp_path / "jobs", max_running_jobs=max_running), opts, engine=None)
+    svc = JobService(JobsConfig(jobs_dir=tmp_path / "jobs", max_running_jobs=max_running,
+                                pages_in_flight=pages_in_flight), opts, engine=None)
     gate = Gate(svc, give_up_s)
     # each job's pipeline gets its own driver on the one gate, made in the job's runner thread
     # (pipeline.run calls the factory there), which is named after the job
@@ -174,3 +176,98 @@ def test_with_one_running_job_the_gate_sees_one_job_at_a_time(tmp_path, layout_d
         svc.close()
     assert gate.timed_out and gate.peak_running == 1
     assert all(svc.jobs[j].state is JobState.DONE for j in ids)
+
+
+class Holder:
+    """The engine of every job: holds each block until ``want`` pages are open across the running
+    jobs (then answers everything held, and from then on at once), or ``give_up_s`` passed for
+    that block. Records the most pages ever open across jobs, and the server budget's use."""
+
+    def __init__(self, service, want: int, give_up_s: float):
+        self.service, self.want, self.give_up_s = service, want, give_up_s
+        self.lock = threading.Lock()
+        self.held: list = []
+        self.open = False
+        self.peak_pages = 0
+        self.peak_budget = 0
+
+    def submit(self, on_done):
+        on_done = _once(on_done)          # the timer and the release may both answer a block
+        open_pages = self.service.depths()["pages_in_flight"]
+        with self.lock:
+            self.peak_pages = max(self.peak_pages, open_pages)
+            self.peak_budget = max(self.peak_budget, self.service.page_slots.in_use())
+            if not self.open and self.peak_pages < self.want:
+                self.held.append(on_done)
+                threading.Timer(self.give_up_s, on_done, args=(_Out("held"), None)).start()
+                return
+            self.open = True
+            held, self.held = self.held, []
+        for cb in held + [on_done]:
+            cb(_Out("held"), None)
+
+
+class HolderDriver:
+    error = None
+
+    def __init__(self, holder: Holder):
+        self.holder = holder
+
+    def submit(self, prompt, params, priority, on_done):
+        self.holder.submit(on_done)
+
+    def close(self):
+        pass
+
+    def join(self):
+        pass
+
+
+def _once(on_done):
+    """A block's callback that runs once, whoever calls it first."""
+    lock, done = threading.Lock(), []
+
+    def cb(out, err):
+        with lock:
+            if done:
+                return
+            done.append(1)
+        on_done(out, err)
+    return cb
+
+
+def run_with_holder(tmp_path, layout_dir, pages_in_flight: int | None) -> tuple[JobService, Holder, dict]:
+    svc, _ = make_service(tmp_path, layout_dir, max_running=3, pages_in_flight=pages_in_flight)
+    holder = Holder(svc, want=3, give_up_s=0.5)
+    svc._driver_factory = lambda: (lambda times: HolderDriver(holder))
+    svc.start(None)
+    try:
+        ids = submit_all(svc)
+        wait_finished(svc, ids)
+    finally:
+        svc.close()
+    return svc, holder, ids
+
+
+def test_running_jobs_share_the_servers_pages_in_flight(tmp_path, layout_dir):
+    """Three jobs run at once, each allowed 4 pages in flight, within a server budget of 2: never
+    more than 2 pages are open across them, every page is still done once, and the budget is
+    whole again when the jobs end."""
+    svc, holder, ids = run_with_holder(tmp_path, layout_dir, pages_in_flight=2)
+    assert svc.page_slots.size == 2
+    assert 1 <= holder.peak_pages <= 2 and holder.peak_budget <= 2, (holder.peak_pages, holder.peak_budget)
+    for job_id, (name, pages) in ids.items():
+        rec = svc.jobs[job_id]
+        assert rec.state is JobState.DONE and (rec.total_pages, rec.extracted_pages) == (pages, pages), name
+    assert svc.page_slots.in_use() == 0
+    assert svc.counts["pages"] == sum(DOCS.values())
+
+
+def test_without_the_budget_the_jobs_pages_add_up(tmp_path, layout_dir):
+    """The check above can fail: with the default budget (4 x 4 pages) the same three jobs hold
+    more than 2 pages open at once (the holder waits for 3)."""
+    svc, holder, ids = run_with_holder(tmp_path, layout_dir, pages_in_flight=None)
+    assert svc.page_slots.size == 16
+    assert holder.peak_pages >= 3, holder.peak_pages
+    assert all(svc.jobs[j].state is JobState.DONE for j in ids)
+    assert svc.page_slots.in_use() == 0

@@ -6,13 +6,14 @@ engine driver's step loop runs requests submitted while others are in flight."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 from fastdeploy_ext.parsing.errors import PageError
-from fastdeploy_ext.parsing.pipeline import PageJob, Pipeline, PipelineOptions, StubEngineDriver
+from fastdeploy_ext.parsing.pipeline import PageJob, PageSlots, Pipeline, PipelineOptions, StubEngineDriver
 from fastdeploy_ext.parsing.render import RenderedPage
 from fastdeploy_ext.parsing.workspace import PageWork
 
@@ -100,10 +101,11 @@ def jobs(n):
     return [PageJob(PageWork(f"k:{i}", "doc.pdf", i, n, stem="doc")) for i in range(n)]
 
 
-def pipeline(renderer=None, layout=None, driver=None, sink=None, planted=None, **opts):
+def pipeline(renderer=None, layout=None, driver=None, sink=None, planted=None, shared_slots=None, **opts):
     return Pipeline(renderer or FakeRenderer(), layout or FakeLayout(), None,
                     PipelineOptions(**{"max_pages_in_flight": 4, **opts}), sink=sink, planted=planted,
-                    driver_factory=(lambda t: driver) if driver is not None else StubEngineDriver)
+                    driver_factory=(lambda t: driver) if driver is not None else StubEngineDriver,
+                    shared_slots=shared_slots)
 
 
 def test_pages_complete_out_of_order_without_a_group_barrier():
@@ -367,3 +369,72 @@ def test_a_run_abandoned_by_its_caller_aborts_the_blocks_in_flight():
     t.join(timeout=60)
     assert not t.is_alive() and [o.job.work.page_index for o in got] == [1]
     assert AbortingDriver.aborted
+
+
+def test_page_slots_count_wake_on_abort_and_refuse_an_extra_release():
+    slots, abort = PageSlots(2), threading.Event()
+    assert slots.acquire(abort) and slots.acquire(abort) and slots.in_use() == 2
+    got = []
+    t = threading.Thread(target=lambda: got.append(slots.acquire(abort)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()                     # no slot free: it waits
+    abort.set()
+    slots.wake()
+    t.join(10)
+    assert got == [False] and slots.in_use() == 2        # an aborted waiter takes nothing
+    slots.release(2)
+    assert slots.in_use() == 0
+    with pytest.raises(RuntimeError, match="released more than taken"):
+        slots.release()
+    with pytest.raises(ValueError):
+        PageSlots(0)
+
+
+def test_two_runs_on_one_shared_budget_hold_no_more_pages_than_it():
+    """Each run may hold 4 pages; together they hold at most the shared 3, and the budget is
+    whole again after both runs."""
+    shared = PageSlots(3)
+    drivers = [HeldDriver(None), HeldDriver(None)]
+    renderers = [FakeRenderer(), FakeRenderer()]
+    pipes = [pipeline(renderer=r, driver=d, shared_slots=shared) for r, d in zip(renderers, drivers)]
+    outs: list = [[], []]
+    threads = [threading.Thread(target=lambda i=i: outs[i].extend(pipes[i].run(jobs(5)))) for i in range(2)]
+    for t in threads:
+        t.start()
+
+    def held():
+        return sum(len(d.held) for d in drivers)
+    end = time.monotonic() + 30
+    while held() < 6 and time.monotonic() < end:     # three pages' blocks (2 each), from either run
+        time.sleep(0.01)
+    time.sleep(0.2)                                   # a fourth page would be rendered by now
+    assert held() == 6 and sum(r.submitted for r in renderers) == 3 and shared.in_use() == 3
+    answered = 0
+    while any(t.is_alive() for t in threads):
+        for d in drivers:
+            with d.cv:
+                todo, d.held[:] = list(d.held), []
+            for _, _, cb in todo:
+                cb(Out("x"), None)
+                answered += 1
+        assert sum(r.submitted for r in renderers) - sum(map(len, outs)) <= 3 + 2   # +2: yielded, not yet counted
+        time.sleep(0.01)
+    assert [len(o) for o in outs] == [5, 5] and all(x.error is None for o in outs for x in o)
+    assert answered == 20 and shared.in_use() == 0
+
+
+def test_an_abandoned_run_gives_its_shared_slots_back():
+    """A run whose caller stops reading holds shared slots for pages never yielded: they come back
+    when the run ends (without that, the server's budget would shrink with every stopped job)."""
+    shared = PageSlots(4)
+    drv = HeldDriver(None)
+    it = pipeline(driver=drv, shared_slots=shared).run(jobs(6))
+    t = threading.Thread(target=lambda: (next(iter(it)), it.close()))
+    t.start()
+    drv.wait_for(8)                             # 4 pages open: the budget is spent
+    assert shared.in_use() == 4
+    for _, _, cb in list(drv.held[:2]):         # page 0 completes and is yielded; the caller stops
+        cb(Out("x"), None)
+    t.join(60)
+    assert not t.is_alive() and shared.in_use() == 0

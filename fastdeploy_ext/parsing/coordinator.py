@@ -51,9 +51,11 @@ def build_layout(opts: ParseOptions, plan=None) -> LayoutModel:
     return LayoutModel(runner, opts.layout_model, load_format=fmt, model_family=opts.layout_family)
 
 
-def build_pipeline(opts: ParseOptions, *, renderer, layout, engine, sink=None, driver_factory=None) -> Pipeline:
+def build_pipeline(opts: ParseOptions, *, renderer, layout, engine, sink=None, driver_factory=None,
+                   shared_slots=None) -> Pipeline:
     """``driver_factory``: how blocks reach a VLM other than ``engine`` (the server's job runner
-    drives the served engine); None: the pipeline's own step loop over ``engine``."""
+    drives the served engine); None: the pipeline's own step loop over ``engine``.
+    ``shared_slots``: a PageSlots budget this run shares with others (the server's jobs)."""
     from .blocks import ParseTaskOptions
     from .layout_post import LayoutPostConfig
     planted = PlantedLayoutFile(opts.planted_layouts) if opts.planted_layouts else None
@@ -61,7 +63,7 @@ def build_pipeline(opts: ParseOptions, *, renderer, layout, engine, sink=None, d
                     post_config=LayoutPostConfig(threshold=opts.layout_threshold),
                     task_options=ParseTaskOptions(chart_recognition=opts.chart_recognition,
                                                   seal_recognition=opts.seal_recognition),
-                    driver_factory=driver_factory)
+                    driver_factory=driver_factory, shared_slots=shared_slots)
 
 
 # ------------------------------------------------------------------ the workspace as the sink

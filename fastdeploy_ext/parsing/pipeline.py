@@ -140,6 +140,47 @@ class StageTimes:
         return dict(self.__dict__)
 
 
+# ------------------------------------------------------------------ page slots
+class PageSlots:
+    """How many pages may be open at once: a counting semaphore whose waiters an abort wakes.
+    Each run has its own (``max_pages_in_flight``); several runs may also share one (the
+    server's page budget across its running jobs), so more jobs spread the same pages in
+    flight instead of adding to them. Waiters are woken all at once on every release: a woken
+    waiter whose run was aborted leaves without taking the slot, and another takes it."""
+
+    def __init__(self, n: int):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"page slots must be an integer >= 1, got {n!r}")
+        self.size = n
+        self._free = n
+        self._cv = threading.Condition()
+
+    def acquire(self, abort: threading.Event) -> bool:
+        """One slot (True), or False once ``abort`` is set (``wake`` makes a waiter look)."""
+        with self._cv:
+            while self._free == 0 and not abort.is_set():
+                self._cv.wait()
+            if abort.is_set():
+                return False
+            self._free -= 1
+            return True
+
+    def release(self, n: int = 1) -> None:
+        with self._cv:
+            self._free += n
+            if self._free > self.size:
+                raise RuntimeError(f"page slots released more than taken ({self._free} free of {self.size})")
+            self._cv.notify_all()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def in_use(self) -> int:
+        with self._cv:
+            return self.size - self._free
+
+
 # ------------------------------------------------------------------ the layout model
 class LayoutModel:
     """A layout family's model on a device runner (what entrypoints.Detector wraps, without
@@ -307,7 +348,8 @@ class Pipeline:
     def __init__(self, renderer, layout: LayoutModel, engine, opts: PipelineOptions, *,
                  post_config=None, task_options=None, planted: PlantedLayouts | None = None,
                  sink: PageSink | None = None, image_prefix: Callable[[PageJob], str] | None = None,
-                 driver_factory: Callable[[StageTimes], object] | None = None):
+                 driver_factory: Callable[[StageTimes], object] | None = None,
+                 shared_slots: PageSlots | None = None):
         from .blocks import ParseTaskOptions
         from .layout_post import LayoutPostConfig
         opts.validate()
@@ -318,6 +360,7 @@ class Pipeline:
         self.sink = sink or NullSink()
         self.image_prefix = image_prefix or default_image_prefix
         self.driver_factory = driver_factory or self._default_driver
+        self.shared_slots = shared_slots
         self.times = StageTimes()
 
     def _default_driver(self, times: StageTimes):
@@ -329,7 +372,8 @@ class Pipeline:
     # ---------------------------------------------------------------- the run
     def run(self, jobs: Iterable[PageJob]) -> Iterable[PageOutcome]:
         opts = self.opts
-        self._slots = threading.Semaphore(opts.max_pages_in_flight)
+        self._slots = PageSlots(opts.max_pages_in_flight)
+        self._shared_held = 0        # slots of shared_slots this run holds (given back when it ends)
         self._rendered: queue.Queue = queue.Queue()      # bounded by the slots
         self._writes: queue.Queue = queue.Queue()        # bounded by the slots
         self._out: queue.Queue = queue.Queue()           # bounded by the slots (released when yielded)
@@ -355,11 +399,13 @@ class Pipeline:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                self._slots.release()
+                self._release_slot()
                 yield item
         finally:
             self.abort.set()
-            self._slots.release()           # a feeder blocked on a slot sees the abort
+            self._slots.wake()              # a feeder blocked on a slot sees the abort
+            if self.shared_slots is not None:
+                self.shared_slots.wake()
             self._rendered.put(_END)
             self._writes.put(_END)
             if not completed and hasattr(self.driver, "abort"):
@@ -368,6 +414,29 @@ class Pipeline:
             for th in threads:
                 th.join(timeout=30)
             self.driver.join()
+            with self._lock:
+                held, self._shared_held = self._shared_held, 0
+            if held and self.shared_slots is not None:      # pages never yielded: the budget is not ours
+                self.shared_slots.release(held)
+
+    def _take_slot(self) -> bool:
+        """A slot of this run, then one of the shared budget; False once the run is aborted."""
+        if not self._slots.acquire(self.abort):
+            return False
+        if self.shared_slots is not None:
+            if not self.shared_slots.acquire(self.abort):
+                self._slots.release()
+                return False
+            with self._lock:
+                self._shared_held += 1
+        return True
+
+    def _release_slot(self) -> None:
+        self._slots.release()
+        if self.shared_slots is not None:
+            with self._lock:
+                self._shared_held -= 1
+            self.shared_slots.release()
 
     def depths(self) -> dict[str, int]:
         """What is in each stage now (read by /metrics while a run goes on; zeros before one):
@@ -394,8 +463,7 @@ class Pipeline:
     def _feed(self, jobs: Iterable[PageJob]) -> None:
         from .render import RenderTask
         for job in jobs:
-            self._slots.acquire()
-            if self.abort.is_set():
+            if not self._take_slot():
                 return
             page = _Page(job, time.perf_counter())
             with self._lock:

@@ -335,7 +335,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="jobs queued or running at once; a submit beyond gets 429")
     g.add_argument("--max-running-jobs", type=int, default=4, metavar="N",
                    help="jobs parsed at once (each its own pipeline on the shared renderer, layout model and "
-                        "engine: their pages interleave); host memory holds up to N x --max-pages-in-flight pages")
+                        "engine: their pages interleave), within --job-pages-in-flight pages in all")
+    g.add_argument("--job-pages-in-flight", type=int, default=None, metavar="N",
+                   help="pages in flight across every running job, which bounds host memory and the engine's "
+                        "queue (default: 4 x --max-pages-in-flight); each job also keeps within --max-pages-in-flight")
     g.add_argument("--max-upload-bytes", type=int, default=200 << 20, metavar="N",
                    help="largest document accepted (upload or fileUrl), in bytes")
     g.add_argument("--job-ttl", type=float, default=86400.0, metavar="S",

@@ -11,7 +11,8 @@ which skips the pages already done, so every page is done exactly once. A finish
 expire ``ttl_s`` after they end: their directory is removed and their URLs answer 404.
 
 Up to ``max_running_jobs`` jobs run at once, started in the order accepted: each job is its own
-pipeline run (its own pages in flight, sink and exactly-once workspace) over one shared renderer,
+pipeline run (its own pages in flight, sink and exactly-once workspace; the pages in flight of all
+of them within one server-wide budget, ``pages_in_flight``) over one shared renderer,
 layout model and the served engine, so pages of different jobs interleave in the render pool,
 the layout model (its calls serialized: SerialLayout) and the engine's batches, and the engine
 does not idle between one job's last pages and the next job's first. The blocks go to the served
@@ -83,6 +84,9 @@ class JobsConfig:
     jobs_dir: Path
     max_queued_jobs: int = 64           # pending + running; beyond: 429
     max_running_jobs: int = 4           # jobs whose pages are in the pipeline at once
+    # pages in flight across every running job (None: 4 x the per-job --max-pages-in-flight), so
+    # more running jobs share the pages in flight rather than multiply them
+    pages_in_flight: int | None = None
     max_upload_bytes: int = 200 << 20
     ttl_s: float = 86400.0
     priority_offset: int = 100          # added to every block's priority (chat's default is 0)
@@ -191,6 +195,8 @@ class JobService:
                      "length (ignore_eos)")
             base_opts = replace(base_opts, planted_decode=True)
         self.base_opts = base_opts
+        from ...parsing.pipeline import PageSlots
+        self.page_slots = PageSlots(config.pages_in_flight or 4 * base_opts.max_pages_in_flight)
         self.engine = engine
         self.engine_ready = engine_ready
         self.jobs: dict[str, JobRecord] = {}
@@ -293,8 +299,10 @@ class JobService:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         log.info("jobs: up to %d jobs parse at once (--max-running-jobs), each its own pipeline of up to %d pages in "
-                 "flight on the shared renderer, layout model and engine", self.config.max_running_jobs,
-                 self.base_opts.max_pages_in_flight)
+                 "flight (--max-pages-in-flight), %d pages in flight across them (--job-pages-in-flight%s), on the "
+                 "shared renderer, layout model and engine", self.config.max_running_jobs,
+                 self.base_opts.max_pages_in_flight, self.page_slots.size,
+                 "" if self.config.pages_in_flight else ": 4 x --max-pages-in-flight")
         self._thread = threading.Thread(target=self._run, name="fdx-jobs", daemon=True)
         self._thread.start()
 
@@ -396,7 +404,7 @@ class JobService:
                 renderer, layout = self._build()
                 sink = _JobSink(ws, self, rec)
                 pipe = coordinator.build_pipeline(opts, renderer=renderer, layout=layout, engine=None, sink=sink,
-                                                  driver_factory=self._driver_factory())
+                                                  driver_factory=self._driver_factory(), shared_slots=self.page_slots)
                 with self._cv:
                     self._pipes[rec.job_id] = pipe
                 for _ in pipe.run(coordinator.leased_jobs(ws, "server", opts.max_pages_in_flight, False)):
@@ -557,8 +565,10 @@ def jobs_config_from_args(ns: argparse.Namespace) -> JobsConfig | None:
     for name in ("max_queued_jobs", "max_running_jobs", "max_upload_bytes"):
         if getattr(ns, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.job_pages_in_flight is not None and ns.job_pages_in_flight < 1:
+        raise CliError(f"--job-pages-in-flight must be >= 1, got {ns.job_pages_in_flight}")
     if ns.job_ttl <= 0:
         raise CliError(f"--job-ttl must be > 0, got {ns.job_ttl}")
     return JobsConfig(jobs_dir=Path(ns.jobs_dir), max_queued_jobs=ns.max_queued_jobs,
-                      max_running_jobs=ns.max_running_jobs,
+                      max_running_jobs=ns.max_running_jobs, pages_in_flight=ns.job_pages_in_flight,
                       max_upload_bytes=ns.max_upload_bytes, ttl_s=ns.job_ttl, priority_offset=ns.job_priority)
