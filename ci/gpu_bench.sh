@@ -119,11 +119,11 @@ for wl, r in rep["workloads"].items():
 PY
 fi
 # parse: document parsing through the job API (8 concurrent jobs of 250 synthetic pages, the
-# server's --max-running-jobs 4 running them, timed by the server's clock) against the in-process
-# bench parse on the first 500 of the same pages (a steady rate; all 2000 on both sides would not fit
-# one 10-minute call below ~8 pages/s), run first in its own process; random weights, planted mix,
-# each block decoding its kind's planted length on both sides. The server's engine does not keep
-# the layout model's memory out of its KV pool (bench parse's does): 0.8 leaves it room
+# server's --max-running-jobs 4 running them unless PARSE_ARGS says --server-args=--max-running-jobs=8,
+# timed by the server's clock) against the in-process bench parse on the first 500 of the same pages
+# (a steady rate; all 2000 on both sides would not fit one 10-minute call below ~8 pages/s), run
+# first in its own process; random weights, planted mix, each block decoding its kind's planted
+# length on both sides. --gpu-memory-utilization 0.8 on both sides, as the earlier figures ran
 if [[ $steps == *" parse "* ]]; then
   echo "### bench serve --workloads parse" >> "$log"
   timeout ${PARSE_TIMEOUT:-590} $FDX bench serve --workloads parse --load-format dummy --device cuda --dtype bfloat16 \

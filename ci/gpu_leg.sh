@@ -32,9 +32,11 @@
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
 #   deepseek_kernels (not in "all")  DeepSeek-OCR-2's Triton attention kernels: tests/test_deepseek_attention_kernels.py
 #                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
+#   deepseek_decode (not in "all")  DeepSeek-OCR-2's decode step at batch 64 with ~2k context: ci/step_profile.py
+#                (step times, then the profiled kernels of those steps against their wall time)
 #   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
 #                on CUDA (replay == eager bitwise per path) and bench vision eager vs graphed
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_graphs]...
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_graphs]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -126,6 +128,15 @@ if [[ " $steps " == *" deepseek_moe "* ]]; then
   timeout ${MOE_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.moe --device cuda --dtype bfloat16 \
     --json-out "$OUT/bench_moe.json" ${MOE_BENCH_ARGS:-} > "$OUT/bench_moe.txt" 2>&1 || rc=1
   tail -12 "$OUT/bench_moe.txt"
+fi
+if [[ " $steps " == *" deepseek_decode "* ]]; then
+  # DeepSeek-OCR-2's decode step at the released size (dummy bf16, graphs as the row sets them):
+  # step wall time at batch 64 with ~2k tokens of context each, then a torch.profiler table of
+  # those steps (kernels by device time, their sum against the step's wall time)
+  timeout ${DSD_TIMEOUT:-240} python3 ci/step_profile.py --device cuda --model-family deepseek_ocr2 \
+    ${DSD_ARGS:---batches 64 --tokens 64 --rounds 2 --context 1900 --profile-batch 64 --profile-steps 20} \
+    > "$OUT/deepseek_decode.txt" 2>&1 || rc=1
+  grep -E "decode step median|a step|prompt tokens|Traceback|Error" "$OUT/deepseek_decode.txt" | tail -8
 fi
 if [[ " $steps " == *" deepseek_graphs "* ]]; then
   timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \

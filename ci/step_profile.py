@@ -50,9 +50,26 @@ def params(tokens: int) -> SamplingParams:
                           repetition_guard=RepetitionGuard(enabled=False))
 
 
-def decode_step_times(engine: LLMEngine, batch: int, tokens: int, tag: str) -> list[float]:
+FILL = " and the next line of it"
+
+
+def decode_prompt(i: int, repeats: int = 0) -> str:
+    """A text prompt, distinct per request, lengthened by ``repeats`` copies of FILL."""
+    return f"OCR: line {i} of the page" + FILL * repeats
+
+
+def repeats_for(engine: LLMEngine, tokens: int) -> int:
+    """FILL copies that bring a prompt to about ``tokens`` tokens (the KV length the decode
+    steps read), whatever the tokenizer (a byte-level one makes a word several tokens)."""
+    def length(r):
+        return engine.process_request("len", {"prompt": decode_prompt(0, r)}, params(1)).prompt_len
+    base, per = length(0), length(1) - length(0)
+    return max(0, (tokens - base) // max(1, per))
+
+
+def decode_step_times(engine: LLMEngine, batch: int, tokens: int, tag: str, repeats: int = 0) -> list[float]:
     for i in range(batch):
-        engine.add_request(f"{tag}-{i}", {"prompt": f"OCR: line {i} of the page"}, params(tokens))
+        engine.add_request(f"{tag}-{i}", {"prompt": decode_prompt(i, repeats)}, params(tokens))
     times = []
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -306,7 +323,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="the prefill steps of the blocks / lines workloads "
                     "(module docstring)")
     ap.add_argument("--workloads", default="blocks,lines", help="--prefill: blocks, lines")
-    ap.add_argument("--model", default=None, help="--prefill: a model dir (default: dummy weights; the tiny "
+    ap.add_argument("--model", default=None, help="a model dir (default: dummy weights; with --prefill the tiny "
                     "model on the CPU)")
     ap.add_argument("--pages", type=int, default=8, help="--prefill blocks: pages of 16 crops")
     ap.add_argument("--block-token-scale", type=float, default=1.0)
@@ -326,6 +343,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=40)
+    ap.add_argument("--model-family", default=None, help="decode: the family of the dummy weights (default: "
+                    "PaddleOCR-VL), e.g. deepseek_ocr2")
+    ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                    help="decode: prompt tokens per request (about; the KV length the decode steps read)")
+    ap.add_argument("--profile-batch", type=int, default=1, help="decode: the batch of the profiled steps")
     ap.add_argument("--cprofile", action="store_true", help="also the Python functions' own time over 200 "
                     "decode steps at batch 1 (cProfile: slows every call alike, compare commits by it)")
     args = ap.parse_args()
@@ -336,33 +358,51 @@ def main() -> None:
             print(f"[{args.label}] sys.setswitchinterval({args.switch_interval})")
         prefill_main(args)
         return
-    cfg = EngineConfig(load_format="dummy", plan=PlanRequest(device=args.device, dtype="bfloat16"),
-                       max_num_seqs=64, max_model_len=2048, gpu_memory_utilization=0.5)
+    batches = [int(x) for x in args.batches.split(",")]
+    max_len = max(2048, args.context + args.tokens + args.profile_steps + 256)
+    kw = dict(load_format="dummy") if args.model is None else dict(model=args.model)
+    cfg = EngineConfig(**kw, model_family=args.model_family,
+                       plan=PlanRequest(device=args.device, dtype="bfloat16" if args.model is None else "auto"),
+                       max_num_seqs=max(64, *batches, args.profile_batch), max_model_len=max_len,
+                       gpu_memory_utilization=0.5)
     engine = LLMEngine(cfg)
+    repeats = repeats_for(engine, args.context) if args.context else 0
+    if args.context:
+        seq = engine.process_request("len", {"prompt": decode_prompt(0, repeats)}, params(1))
+        print(f"[{args.label}] prompt tokens per request: {seq.prompt_len}")
     decode_step_times(engine, 1, 32, "warm")
     for r in range(args.rounds):
-        for b in (int(x) for x in args.batches.split(",")):
-            t = decode_step_times(engine, b, args.tokens, f"r{r}b{b}")
+        for b in batches:
+            t = decode_step_times(engine, b, args.tokens, f"r{r}b{b}", repeats)
             print(f"[{args.label}] round {r} batch {b}: decode step median {statistics.median(t) * 1e3:.3f} ms, "
                   f"p10 {sorted(t)[len(t) // 10] * 1e3:.3f} ms over {len(t)} steps", flush=True)
-    # profile decode steps at batch 1
-    engine.add_request("prof", {"prompt": "OCR: profile"}, params(args.profile_steps + 8))
+    # profile decode steps at --profile-batch
+    pb = args.profile_batch
+    for i in range(pb):
+        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 8))
     for _ in range(4):
         engine.step()
     acts = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
+    t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.profile_steps):
             engine.step()
+    wall = (time.perf_counter() - t0) / args.profile_steps
     while engine.has_unfinished():
         engine.step()
     n = args.profile_steps
     rows = []
+    kernels_us = 0.0
     for e in prof.key_averages():
         dev = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        self_dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        kernels_us += self_dev / n
         rows.append((e.key, e.count / n, e.self_cpu_time_total / n, dev / n))
-    print(f"[{args.label}] per decode step at batch 1 (mean over {n} steps): op, calls, self CPU us, device us")
+    print(f"[{args.label}] batch {pb}: {wall * 1e3:.3f} ms a step (under the profiler), device kernels "
+          f"{kernels_us / 1e3:.3f} ms a step (self device time summed)")
+    print(f"[{args.label}] per decode step at batch {pb} (mean over {n} steps): op, calls, self CPU us, device us")
     for key, calls, cpu, dev in sorted(rows, key=lambda r: -r[2])[:40]:
         print(f"[{args.label}]   {key[:70]:70s} {calls:6.1f} {cpu:9.1f} {dev:9.1f}")
     print(f"[{args.label}] device kernels per step, by device time:")

@@ -112,7 +112,8 @@ def test_interpreter_subprocess():
 @pytest.mark.parametrize("b,h,gh,gw,d,block", [(2, 2, 5, 7, 16, (16, 16)),      # odd non-square grid
                                                (1, 3, 3, 3, 24, (16, 16)),      # head dim padded to 32
                                                (1, 1, 9, 9, 64, None),          # the default blocks, D=64
-                                               (1, 2, 3, 32, 16, (16, 16))])    # wide rows: a key block in one row
+                                               (1, 2, 3, 32, 16, (16, 16)),     # wide rows: a key block in one row
+                                               (2, 2, 4, 16, 32, (32, 16))])    # one key block per grid row
 def test_interp_relpos_kernel_matches_sdpa_bias(b, h, gh, gw, d, block):
     from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, relpos_attention
     q, k, v, rel_h, rel_w = relpos_case(b, h, gh, gw, d)
@@ -213,7 +214,8 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
     bm, bn, warps, stages = ba.default_config(n, dtype)
     ty = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     consts = dict(HEADS=12, GROUP=1 if relpos else 7, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=bm, BLOCK_N=bn,
-                  ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos, PREFIX_CAUSAL=not relpos,
+                  ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos,
+                  ROW_BLOCKS=relpos and 64 % bn == 0 and n == 4096, PREFIX_CAUSAL=not relpos,
                   DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
     sig = {a: "constexpr" if a in consts else ty if a[0].isupper() else "fp32" if a.endswith("scale") else "i32"
            for a in fn.arg_names}

@@ -124,3 +124,52 @@ def test_reservation_ignored_with_an_explicit_kv_budget(caplog):
         eng = _engine(runner, kv_cache_memory=8 * MiB, reserved_memory=Decision(4 * MiB, "the layout detector's pass"))
     assert eng.kv_decision.value == 8 * MiB // runner.kv_cache_spec().bytes_per_block
     assert any("not applied: the KV pool is not sized from free memory" in r.getMessage() for r in caplog.records)
+
+
+def _served_engine(runner, service=None):
+    """The server's AsyncLLMEngine on the fake backend, with the job service's layout reservation
+    wired as api_server does (``reserve_memory``), started and stopped: its LLMEngine."""
+    import asyncio
+
+    from fastdeploy_ext.engine.async_engine import AsyncLLMEngine
+    from fastdeploy_ext.engine.input_processor import InputLimits, InputProcessor
+    from fastdeploy_ext.models.paddleocr_vl.processor import ImageProcessor, PreprocessorConfig
+
+    from .engine_fakes import FakePromptBuilder
+    cfg = EngineConfig(max_model_len=64, preprocess_workers=1, gpu_memory_utilization=0.9)
+    proc = InputProcessor(FakePromptBuilder(), ImageProcessor(PreprocessorConfig()),
+                          InputLimits(1, cfg.max_encoder_patches, cfg.max_model_len))
+    eng = AsyncLLMEngine(cfg, runner=runner, input_processor=proc)
+    if service is not None:
+        eng.reserve_memory = service.layout_reservation
+
+    async def run():
+        await eng.start()
+        await eng.shutdown()
+    asyncio.run(run())
+    return eng.engine
+
+
+def test_the_servers_kv_pool_leaves_the_job_layout_models_batch_free(tmp_path):
+    """With the job API on, the layout model is built before the served engine sizes its pool and
+    one layout batch over A4 pages is kept free, as in `parse`; without the service's reservation
+    (the check can fail) the pool takes that memory too."""
+    from fastdeploy_ext.entrypoints.openai.jobs import JobsConfig, JobService, SerialLayout
+    runner = MeasuredRunner(free=60 * MiB, total=100 * MiB, peak=10 * MiB)
+    bpb = runner.kv_cache_spec().bytes_per_block
+    assert _served_engine(runner).kv_decision.value == (60 - 10 - 10) * MiB // bpb
+    svc = JobService(JobsConfig(jobs_dir=tmp_path / "jobs"), ParseOptions(load_format="dummy", layout_batch=4, dpi=72),
+                     engine=None)
+    layout = FakeLayout(CountingAPI(weights=3 * MiB), per_page=2 * MiB)
+    svc._models = ("renderer", SerialLayout(layout))        # what _build made (the first job reuses it)
+    eng = _served_engine(runner, svc)
+    assert layout.batches == [(4, coordinator.a4_page_hw(72))]
+    assert eng.kv_decision.value == (60 - 10 - 10 - 8) * MiB // bpb
+    assert "reserved 0.01 GiB for the layout detector's pass over a batch of 4 pages 595x842" in eng.kv_decision.reason
+    assert svc._build() == ("renderer", svc._models[1])       # built once: jobs run on the same models
+
+
+def test_a_service_without_a_vlm_reserves_nothing(tmp_path):
+    from fastdeploy_ext.entrypoints.openai.jobs import JobsConfig, JobService
+    svc = JobService(JobsConfig(jobs_dir=tmp_path / "jobs"), ParseOptions(stub_vlm=True), engine=None)
+    assert svc.layout_reservation() is None and svc._models is None

@@ -101,8 +101,23 @@ def _grouping_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
             for name, kernel in (("torch", False), ("kernel", True))}
 
 
+def _config_times(moe, x, configs, warmup: int, iters: int, api) -> dict[str, float]:
+    """The routed experts alone (grouped_moe on the layer's routing, graphed), with the tile
+    table's pick and with each of ``configs`` (MoEBlocks): a sweep to tune pick_blocks by."""
+    from ..ops.triton.grouped_moe import grouped_moe, pick_blocks
+    w, idx = moe.route(x)
+    picked = pick_blocks(idx.numel(), moe.gate_up.shape[0])
+    out = {}
+    for cfg in (picked, *configs):
+        key = "routed_" + "x".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                      cfg.num_stages))
+        fn = _graphed(lambda cfg=cfg: grouped_moe(x, w, idx, moe.gate_up, moe.down, cfg), api)
+        out[key + ("_picked" if cfg is picked else "")] = median_ms(fn, warmup, iters, api)
+    return out
+
+
 def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, warmup: int, iters: int,
-        graphs: bool) -> list[dict]:
+        graphs: bool, configs=()) -> list[dict]:
     from ..ops.moe import BUILTIN_MOE_BACKENDS
     backends = {b.name: b for b in BUILTIN_MOE_BACKENDS}
     decoder, ours, ref, ref_why = build_layers(shape, dtype, device)
@@ -152,6 +167,8 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
                         cols[f"{name}_graph"] = median_ms(_graphed(fns[name], api), warmup, iters, api)
                 if triton_ok:
                     cols.update(_grouping_times(ours, x, warmup, iters, api))
+                    if configs:
+                        cols.update(_config_times(ours, x, configs, warmup, iters, api))
         decoder.moe_experts = backends["aten_moe"]
         ref_time = cols.get("ours")
         ratios = {f"{k}/ours": cols[k] / ref_time for k in ("aten_moe", "tf_loop", "tf_grouped_mm")
@@ -179,6 +196,10 @@ def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: t
         print("grouping rows by expert alone (graphed, ms): torch ops vs the one-program kernel")
         for r in rows:
             print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
+    if any(k.startswith("routed_") for r in rows for k in r):
+        print("routed experts alone (graphed, ms), by tiles BMxBNxBKxWxS (_picked: pick_blocks' choice)")
+        for r in rows:
+            print(f"{r['tokens']:>6} " + "  ".join(f"{k[7:]} {r[k]:.3f}" for k in r if k.startswith("routed_")))
     for r in rows:
         cos = ", ".join(f"{k[4:]} {v:.5f}" for k, v in r.items() if k.startswith("cos_"))
         print(f"  tokens {r['tokens']}: cosine vs {r['base']}: {cos}" + "".join(
@@ -195,7 +216,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true", help="skip the graph columns")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--configs", default="", help='extra tiles for the routed experts alone (graphed), '
+                   '"BM,BN,BK,W,S;...", e.g. "16,64,128,4,4"')
     a = p.parse_args(argv)
+    from ..ops.triton.grouped_moe import MoEBlocks
+    try:
+        configs = tuple(MoEBlocks(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c.strip())
+    except (TypeError, ValueError) as e:
+        p.error(f"--configs: {e} (want \"BM,BN,BK,W,S;...\")")
     try:
         tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     except ValueError:
@@ -205,7 +233,8 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     shape = RELEASED if a.shape == "released" else TINY
-    rows = run(shape, tokens, dtype, device, warmup=a.warmup, iters=a.iters, graphs=not a.no_graphs)
+    rows = run(shape, tokens, dtype, device, warmup=a.warmup, iters=a.iters, graphs=not a.no_graphs,
+               configs=configs)
     print_table(rows, shape, dtype, device)
     if a.json_out:
         with open(a.json_out, "w") as f:

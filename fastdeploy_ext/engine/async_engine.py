@@ -76,6 +76,10 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, runner=None, input_processor=None):
         self.config = config
         self._runner, self._input_processor = runner, input_processor
+        # called in start(), before the KV pool is sized from free memory: a Decision(bytes,
+        # reason) that something else in this process (the job API's layout model) will still
+        # allocate, so the pool leaves it free (LLMEngine's reserved_memory); None: nothing
+        self.reserve_memory: Callable[[], object] | None = None
         self.engine: LLMEngine | None = None
         self.ready = False
         self.error: str | None = None
@@ -97,8 +101,10 @@ class AsyncLLMEngine:
         if self.engine is not None:
             return
         loop = asyncio.get_running_loop()
+        reserve = self.reserve_memory
         self.engine = await loop.run_in_executor(
-            None, lambda: LLMEngine(self.config, runner=self._runner, input_processor=self._input_processor))
+            None, lambda: LLMEngine(self.config, runner=self._runner, input_processor=self._input_processor,
+                                    reserved_memory=reserve() if reserve is not None else None))
         self._thread = threading.Thread(target=self._run_loop, name="fdx-step-loop", daemon=True)
         self._thread.start()
         self._accepting = True

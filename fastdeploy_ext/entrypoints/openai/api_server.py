@@ -475,6 +475,8 @@ def _build_jobs(ns: argparse.Namespace, state: ServerState, fetcher: MediaFetche
     opts = parse_options_from_args(argparse.Namespace(**{**vars(ns), "workers": 1, "gpus": None}), output=None)
     service = JobService(cfg, opts, state.engine,
                          engine_ready=lambda: state.engine_started and state.engine.ready)
+    # the layout model loads before the engine and its pass's memory stays out of the KV pool
+    state.engine.reserve_memory = service.layout_reservation
     job_fetcher = MediaFetcher(dataclasses.replace(fetcher.policy, max_bytes=cfg.max_upload_bytes))
     log.info("jobs: the PaddleOCR job API on %s/api/v2/ocr/jobs: jobs in %s, at most %d queued, uploads up to %d "
              "bytes, finished jobs kept %g s, block priority +%d (chat first), layout model %s",

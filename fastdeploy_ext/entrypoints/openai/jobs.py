@@ -379,6 +379,17 @@ class JobService:
                                 SerialLayout(coordinator.build_layout(self.base_opts)))
             return self._models
 
+    def layout_reservation(self):
+        """Builds the renderer and layout model now (before the served engine sizes its KV pool)
+        and measures one layout batch over A4 pages: the Decision the engine keeps free for it
+        (memory_profile.detector_reservation), as `parse` does; None without a VLM engine."""
+        if self.base_opts.stub_vlm:
+            return None
+        from ...memory_profile import detector_reservation
+        from ...parsing.coordinator import a4_page_hw
+        _, layout = self._build()
+        return detector_reservation(layout.inner, self.base_opts.layout_batch, a4_page_hw(self.base_opts.dpi))
+
     def _driver_factory(self):
         if self.base_opts.stub_vlm:
             return None

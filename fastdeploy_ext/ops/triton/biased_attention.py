@@ -83,6 +83,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         ALIGN: tl.constexpr,
         RELPOS: tl.constexpr,
+        ROW_BLOCKS: tl.constexpr,
         PREFIX_CAUSAL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
@@ -136,13 +137,21 @@ if triton is not None:
             k_rows = tl.minimum(offs_n, n_tokens - 1)
             k = tl.load(k_base + k_rows[:, None] * s_kn + cols[None, :])
             if RELPOS:
-                # the bias of each (query, key): rel_h at the key's grid row, rel_w at its column,
-                # gathered from the query's rows (L1 hits: a key block spans few rows); it is the
-                # QK dot's accumulator, divided by the scale the sum is multiplied by (bias added
-                # after the dot instead serializes Hopper's wgmma pipeline: ptxas C7515)
-                kh = k_rows // grid_w
-                kw = k_rows - kh * grid_w
-                bias = tl.load(rh_base + kh[None, :]).to(tl.float32) + tl.load(rw_base + kw[None, :]).to(tl.float32)
+                # the bias of each (query, key): rel_h at the key's grid row, rel_w at its column;
+                # it is the QK dot's accumulator, divided by the scale the sum is multiplied by
+                # (bias added after the dot instead serializes Hopper's wgmma pipeline: ptxas C7515)
+                if ROW_BLOCKS:
+                    # the key block lies in one grid row (grid_w is a multiple of BLOCK_N): one
+                    # rel_h value per query and a contiguous run of rel_w, no per-key gathers
+                    kh0 = start_n // grid_w
+                    kw = start_n - kh0 * grid_w + tl.arange(0, BLOCK_N)
+                    bias = tl.load(rh_base + kh0).to(tl.float32) + tl.load(rw_base + kw[None, :]).to(tl.float32)
+                else:
+                    # gathered from the query's rows (L1 hits: a key block spans few rows)
+                    kh = k_rows // grid_w
+                    kw = k_rows - kh * grid_w
+                    bias = (tl.load(rh_base + kh[None, :]).to(tl.float32)
+                            + tl.load(rw_base + kw[None, :]).to(tl.float32))
                 qk = tl.dot(q, tl.trans(k), bias * inv_scale, input_precision=DOT_PREC) * qk_scale
             else:
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -228,7 +237,8 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
         *rh_strides, *rw_strides,
         n, grid_w, n_prefix, scale * _LOG2E, 1.0 / scale,
         HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=bm, BLOCK_N=bn, ALIGN=align, RELPOS=relpos, PREFIX_CAUSAL=not relpos,
+        BLOCK_M=bm, BLOCK_N=bn, ALIGN=align, RELPOS=relpos, ROW_BLOCKS=relpos and grid_w % bn == 0,
+        PREFIX_CAUSAL=not relpos,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
     return out.transpose(1, 2)
