@@ -380,7 +380,12 @@ def main() -> None:
     pb = args.profile_batch
     for i in range(pb):
         engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 8))
-    for _ in range(4):
+    # every request past its prefill (a long context takes several chunked prefill steps), so
+    # the profiled steps are decode steps of the whole batch
+    decoding: set[str] = set()
+    while len(decoding) < pb:
+        decoding |= {o.request_id for o in engine.step()}
+    for _ in range(2):
         engine.step()
     acts = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":

@@ -199,8 +199,9 @@ def test_bad_inputs_name_the_problem():
         prefix_causal_attention(q, k, v, torch.tensor(2), 0.25)
 
 
-@pytest.mark.parametrize("relpos,dtype,n", [(True, torch.bfloat16, 4096), (True, torch.bfloat16, 196),
-                                           (False, torch.bfloat16, 512), (True, torch.float32, 196)])
+@pytest.mark.parametrize("relpos,dtype,n", [(True, torch.bfloat16, 4096), (True, torch.bfloat16, 2304),
+                                           (True, torch.bfloat16, 196), (False, torch.bfloat16, 512),
+                                           (True, torch.float32, 196)])
 def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
     """Triton's compiler down to an sm_90a cubin (its bundled ptxas) with the launcher's default
     blocks: what the interpreter cannot check (constexpr branches, layouts, the wgmma lowering)."""
@@ -211,11 +212,12 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
     from triton.compiler import ASTSource
     from fastdeploy_ext.ops.triton import biased_attention as ba
     fn = ba._KERNELS["fwd"]
-    bm, bn, warps, stages = ba.default_config(n, dtype)
+    grid_w = {4096: 64, 2304: 48, 196: 14}[n] if relpos else None      # a view, a crop, a window
+    bm, bn, warps, stages = ba.default_config(n, dtype, grid_w)
     ty = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     consts = dict(HEADS=12, GROUP=1 if relpos else 7, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=bm, BLOCK_N=bn,
                   ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos,
-                  ROW_BLOCKS=relpos and 64 % bn == 0 and n == 4096, PREFIX_CAUSAL=not relpos,
+                  ROW_BLOCKS=relpos and grid_w % bn == 0, PREFIX_CAUSAL=not relpos,
                   DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
     sig = {a: "constexpr" if a in consts else ty if a[0].isupper() else "fp32" if a.endswith("scale") else "i32"
            for a in fn.arg_names}
@@ -226,6 +228,19 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
     assert ".entry _biased_attn_fwd" in ptx and "cp.async" in ptx      # k/v tiles pipelined
     if dtype == torch.bfloat16:
         assert "wgmma" in ptx                                            # Hopper's tensor-core path
+
+
+def test_default_blocks_keep_every_key_block_of_a_global_grid_in_one_row():
+    """The measured defaults: a key block that divides the grid's width (64 for the 1024 views,
+    16 for the 48-wide crops), so the kernel takes its gather-free ROW_BLOCKS path; windows (14)
+    and the encoder (no grid) their own."""
+    from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, default_config
+    bf16 = torch.bfloat16
+    assert default_config(4096, bf16, 64) == BlockConfig(128, 64, 8, 3)
+    assert default_config(2304, bf16, 48) == BlockConfig(64, 16, 4, 3) and 48 % 16 == 0
+    assert default_config(196, bf16, 14) == BlockConfig(64, 16, 4, 3)
+    assert default_config(512, bf16) == BlockConfig(64, 64, 4, 3)
+    assert default_config(4096, torch.float32, 64) == BlockConfig(64, 32, 4, 2)
 
 
 def test_bench_names_a_bad_workload_or_config(capsys):
@@ -258,10 +273,9 @@ def _plan(row: str, dtype: str, triton_present: bool):
 
 @pytest.mark.parametrize("row", ["cuda_sm90", "cuda_sm80"])
 def test_cuda_rows_prefer_the_triton_kernels_in_half_precision(row):
-    # the global layers take SDPA with the bias first: the kernel measured slower there on the H200
     plan = _plan(row, "bfloat16", True)
     for kind, name, why in ((WINDOW, "triton_relpos", "test: CUDA and triton here"),
-                            (GLOBAL, "sdpa_bias", "ATen SDPA with an additive bias: every device"),
+                            (GLOBAL, "triton_relpos", "test: CUDA and triton here"),
                             (PREFIX, "triton_prefix_causal", "test: CUDA and triton here")):
         d = plan.kernel(kind)
         assert d.value == name and d.reason == f"first usable in row {row} {kind.value.rsplit('_', 1)[0]} " \
@@ -432,6 +446,6 @@ def test_cuda_info_chooses_the_kernels(cuda):
     out = subprocess.run([sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "info", "--model-family",
                           "deepseek_ocr2", "--device", "cuda"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    for line in ("relpos_window_attention = triton_relpos", "relpos_global_attention = sdpa_bias",
+    for line in ("relpos_window_attention = triton_relpos", "relpos_global_attention = triton_relpos",
                  "prefix_causal_attention = triton_prefix_causal", "qkv_layout              = strided"):
         assert line in out.stdout, out.stdout

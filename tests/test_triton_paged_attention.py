@@ -241,3 +241,93 @@ def test_interp_fused_decoder_equals_aten_decoder():
         outs[fused] = torch.cat(got)
     assert outs[True].shape == (4, 50)
     assert (outs[True] - outs[False]).abs().max().item() <= 1e-4
+
+
+def _deepseek_decoder_logits(fused: bool, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek-OCR-2's decoder (a dense layer then MoE layers, MHA, 1D rope) through the step
+    runner over chunked prefill and batched decode steps: its logits with or without the fused
+    passes."""
+    from fastdeploy_ext.engine.step import SeqStep, StepBatch
+    from fastdeploy_ext.models.deepseek_ocr2.config import TextConfig
+    from fastdeploy_ext.models.deepseek_ocr2.text import DeepseekOCR2Decoder
+    from fastdeploy_ext.ops.attention.paged import PAGED_ATTENTION_BACKENDS
+    from fastdeploy_ext.text_runner import TextStepRunner
+    cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=50, n_routed_experts=8, num_experts_per_tok=3,
+                     n_shared_experts=2, moe_intermediate_size=24, first_k_dense=1)
+    torch.manual_seed(0)
+    model = DeepseekOCR2Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model = model.to(device, dtype)
+    model.fused = fused
+    r = TextStepRunner(model, PAGED_ATTENTION_BACKENDS["sdpa_paged"], block_size=16, device=torch.device(device),
+                       dtype=dtype, image_token_id=49, position_rows=1)
+    r.init_kv_cache(8)
+    a, b = list(range(1, 25)), list(range(5, 16))
+    with torch.no_grad():
+        got = [r.execute(StepBatch(True, [SeqStep(0, a[:16], 0, [6, 1], torch.arange(16)[None], need_logits=False),
+                                          SeqStep(1, b, 0, [3], torch.arange(11)[None])])),
+               r.execute(StepBatch(True, [SeqStep(0, a[16:], 16, [6, 1], torch.arange(16, 24)[None])]))]
+        for k in range(3):
+            got.append(r.execute(StepBatch(False, [SeqStep(0, [k + 2], 24 + k, [6, 1], None),
+                                                   SeqStep(1, [k + 7], 11 + k, [3], None)])))
+    return torch.cat(got).float().cpu()
+
+
+@interp
+def test_interp_deepseek_fused_decoder_equals_its_aten_decoder():
+    """DeepSeek-OCR-2's decoder with the fused passes (packed q|k|v and gate|up, add + RMSNorm,
+    rope into the cache) gives its ATen path's logits (fp32); a fused path that drops the rotary
+    of k (k written to the cache unrotated) is caught by the same comparison."""
+    eager = _deepseek_decoder_logits(False, "cpu", torch.float32)
+    fused = _deepseek_decoder_logits(True, "cpu", torch.float32)
+    assert fused.shape == (1 + 1 + 6, 50)
+    assert (fused - eager).abs().max().item() <= 1e-4
+
+    import fastdeploy_ext.text_runner as tr
+    from fastdeploy_ext.models.eager_decoder import apply_rotary
+
+    def write_unrotated(self, layer, qkv, cos, sin):      # q rotated, k written to the cache as it is
+        hq, hkv, d = self.heads
+        n = qkv.shape[0]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        q.copy_(apply_rotary(q.reshape(n, hq, d), cos, sin).reshape(n, -1))
+        self.kv.write(layer, k.reshape(n, hkv, d), v.reshape(n, hkv, d), self.meta.slot_mapping)
+    saved = tr.PagedAttention.write_rotated
+    tr.PagedAttention.write_rotated = write_unrotated
+    try:
+        broken = _deepseek_decoder_logits(True, "cpu", torch.float32)
+    finally:
+        tr.PagedAttention.write_rotated = saved
+    assert (broken - eager).abs().max().item() > 1e-2
+
+
+def test_deepseek_fused_packing_keeps_the_checkpoints_parameters_as_views():
+    """Packing makes q/k/v and gate/up weights views of one tensor each (no second copy), with
+    the same values, and the eager forward is unchanged by it."""
+    from fastdeploy_ext.models.deepseek_ocr2.config import TextConfig
+    from fastdeploy_ext.models.deepseek_ocr2.text import DecoderLayer
+    cfg = TextConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=20, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, moe_intermediate_size=8, first_k_dense=1)
+    layer = DecoderLayer(cfg, 1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.pack()
+    a, sh = layer.self_attn, layer.mlp.shared_experts
+    assert a.q_proj.weight.data_ptr() == layer.qkv_weight.data_ptr()
+    assert a.v_proj.weight.data_ptr() == layer.qkv_weight[64:].data_ptr()
+    assert sh.up_proj.weight.data_ptr() == sh.gate_up_weight[8:].data_ptr()
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    assert set(layer.state_dict()) == set(before)          # the packed tensors are not new state
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_cuda_deepseek_fused_decoder_matches_its_aten_decoder(dtype, tol):
+    if ta.TRITON_INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device and triton in compiled mode")
+    eager = _deepseek_decoder_logits(False, "cuda", dtype)
+    fused = _deepseek_decoder_logits(True, "cuda", dtype)
+    assert (fused - eager).abs().max().item() <= tol
+    assert torch.nn.functional.cosine_similarity(fused.flatten(), eager.flatten(), dim=0).item() >= 0.9999

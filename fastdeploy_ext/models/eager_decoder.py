@@ -28,6 +28,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
 
 
+def run_fused_layers(x: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    """The decoder layers through the fused Triton passes (ops/triton/decoder_passes.py): the
+    residual stream is updated in place, each layer's output added to it by the next layer's
+    add + RMSNorm pass. Each layer has ``input_layernorm`` (weight, eps) and
+    ``forward_fused(h, residual, cos, sin, i, attend) -> (out, residual)`` taking h, its input
+    norm, and returning its output before the residual add."""
+    from ..ops.triton.decoder_passes import add_rms_norm
+    residual = x.clone()
+    out = None
+    for i, layer in enumerate(layers):
+        norm = layer.input_layernorm
+        h = add_rms_norm(out, residual, norm.weight, norm.eps)
+        out, residual = layer.forward_fused(h, residual, cos, sin, i, attend)
+    return residual + out
+
+
 class EagerDecoder(nn.Module):
     """``cfg`` has vocab_size, hidden_size, head_dim and rope_theta; each of ``layers`` is called
     as ``layer(x, cos, sin, i, attend)``; ``norm`` is the family's final norm. ``name`` goes in

@@ -10,6 +10,14 @@ are (no renormalisation, times ``routed_scaling_factor``), plus the shared exper
 Attention is the runner's paged attention (text_runner.PagedAttention: ``attend(layer, q, k,
 v)``); positions are [1, T] in prefill (position_rows 1) and [T] in decode.
 
+Where the plan's fused layers apply (Triton on CUDA) the decoder runs the fused passes of
+ops/triton/decoder_passes.py, as PaddleOCR-VL's does: add + RMSNorm in one pass, q/k/v from one
+GEMM over the packed [q|k|v] weight with q rotated in place and k/v rotated into the paged cache
+by one pass, SiLU x up of one packed [gate|up] GEMM (the dense MLP and the shared experts). A
+decode step is launch-bound (hundreds of small kernels a step even graphed); that cuts ~25 of
+~45 kernels a layer. The packed weights are the checkpoint's parameters re-laid (views), not
+copies.
+
 The routed experts are stacked ([E, 2I, H] gate|up, [E, H, I] down) and run by the plan's
 ``moe_experts`` backend (ops/moe.py: the Triton grouped GEMM on CUDA, eager ATen elsewhere; the
 runner sets it on the decoder, ATen until then); every backend is free of host syncs (the step
@@ -26,7 +34,7 @@ from torch import nn
 from ...ops.moe import BUILTIN_MOE_BACKENDS, MoEExpertsBackend
 from ..eager_decoder import EagerDecoder, apply_rotary
 from .config import TextConfig
-from .vision import Projections, RMSNorm, SwiGLU
+from .vision import Projections, RMSNorm, SwiGLU, pack_rows
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,14 @@ class MoE(nn.Module):
         routed = self.backend.experts(x, w, idx, self.gate_up, self.down)
         return routed.to(x.dtype) + self.shared_experts(x)
 
+    def pack(self) -> None:
+        self.shared_experts.pack()
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.route(x)
+        routed = self.backend.experts(x, w, idx, self.gate_up, self.down)
+        return routed.to(x.dtype) + self.shared_experts.forward_fused(x)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: TextConfig, layer: int):
@@ -77,6 +93,25 @@ class DecoderLayer(nn.Module):
         x = x + a.o_proj(attend(i, q, k, v).reshape(n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def pack(self) -> None:
+        """The fused path's packed weights: [q|k|v] and the MLP's [gate|up] (views, no copies)."""
+        if getattr(self, "qkv_weight", None) is None:
+            a = self.self_attn
+            self.qkv_weight = pack_rows(a.q_proj, a.k_proj, a.v_proj)
+        self.mlp.pack()
+
+    def forward_fused(self, h, residual, cos, sin, i: int, attend):
+        """h = input_layernorm(residual), made by the previous pass; returns (the MLP's output,
+        residual), the output's residual add deferred to the next layer's add + norm pass."""
+        from ...ops.triton.decoder_passes import add_rms_norm
+        n = h.shape[0]
+        qkv = F.linear(h, self.qkv_weight)
+        attend.write_rotated(i, qkv, cos, sin)
+        o = attend.attend_cached(i, qkv[:, :self.nh * self.hd].view(n, self.nh, self.hd))
+        norm = self.post_attention_layernorm
+        h = add_rms_norm(self.self_attn.o_proj(o.reshape(n, -1)), residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(h), residual
+
 
 class DeepseekOCR2Decoder(EagerDecoder):
     """The DecoderModel the step runner drives (models/interface.py)."""
@@ -84,6 +119,27 @@ class DeepseekOCR2Decoder(EagerDecoder):
     def __init__(self, cfg: TextConfig):
         super().__init__(cfg, (DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)),
                          RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), "deepseek_ocr2")
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        """Set by the runner where the plan's fused layers run (Triton on CUDA): the layers'
+        weights are packed once, then every step takes the fused passes."""
+        if on:
+            for layer in self.layers:
+                layer.pack()
+        self._fused = bool(on)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        if not self._fused:
+            return super().forward(x, positions, attend)
+        from ..eager_decoder import rope_tables, run_fused_layers
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        return run_fused_layers(x, self.layers, cos, sin, attend)
 
     @property
     def moe_experts(self) -> MoEExpertsBackend:

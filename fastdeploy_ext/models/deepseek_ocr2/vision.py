@@ -239,6 +239,30 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def pack(self) -> None:
+        """gate and up as the two halves of one [2I, H] weight (the parameters become views of
+        it, no second copy), for the fused path's one GEMM + silu_mul."""
+        if getattr(self, "gate_up_weight", None) is None:
+            self.gate_up_weight = pack_rows(self.gate_proj, self.up_proj)
+
+    def forward_fused(self, x):
+        from ...ops.triton.decoder_passes import silu_mul
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+
+
+def pack_rows(*linears: nn.Linear) -> torch.Tensor:
+    """The weights of ``linears`` (same input width, no bias) stacked into one tensor, each
+    Linear's weight then a view of its rows: one GEMM computes all their outputs side by side."""
+    if any(lin.bias is not None for lin in linears):
+        raise ValueError("pack_rows: a Linear with a bias cannot be packed")
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+        start += n
+    return w
+
 
 class Projections(nn.Module):
     """q/k/v/o projections of one attention (the checkpoints' ``self_attn.*``)."""

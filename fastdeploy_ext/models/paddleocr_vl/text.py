@@ -159,16 +159,8 @@ class ErnieTextModel(nn.Module):
         return x
 
     def _forward_fused(self, x, cos, sin, attend: Attention) -> torch.Tensor:
-        from ...ops.triton.decoder_passes import add_rms_norm
-        residual = x.clone()          # the residual stream is updated in place by the passes
-        first = self.layers[0].input_layernorm
-        h = add_rms_norm(None, residual, first.weight, first.eps)
-        out = None
-        for i, layer in enumerate(self.layers):
-            if out is not None:
-                h = add_rms_norm(out, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
-            out, residual = layer.forward_fused(h, residual, cos, sin, i, attend)
-        return residual + out
+        from ..eager_decoder import run_fused_layers
+        return run_fused_layers(x, self.layers, cos, sin, attend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab] from un-normed hidden rows."""

@@ -53,14 +53,24 @@ class BlockConfig(tuple):
         return super().__new__(cls, (block_m, block_n, num_warps, num_stages))
 
 
-def default_config(n_tokens: int, dtype: torch.dtype) -> BlockConfig:
-    """Hopper defaults: 128-row query blocks (8 warps) for the long global grids, 64-row blocks
-    (4 warps) for windows (196 tokens) and the encoder (288 / 512): the same padding waste there,
-    twice the programs to spread over the SMs. fp32 halves the key block (registers)."""
+def default_config(n_tokens: int, dtype: torch.dtype, grid_w: int | None = None) -> BlockConfig:
+    """Hopper defaults (bf16 sweep on the H200, ci/results/2026-12-02-h200-s11). ``grid_w``: the
+    rel-pos grid's width (None: the prefix-causal encoder).
+    - Rel-pos grids whose width a key block divides (64 of the global views, 48 of the crops):
+      the widest such block (64, else 32, else 16), so every key block lies in one grid row (the
+      kernel's ROW_BLOCKS path: no per-key gathers of the bias); 128 query rows with 64 keys
+      (16 views: 3.5 ms, 64 rows 3.7 ms), 64 rows with 16 keys (96 crops: 9.2 ms, 128 rows 10.1).
+    - Windows (14x14, no block divides 14): 64 x 16 (0.71 ms for 16 views' 400 windows, 64 x 64
+      0.82).
+    - The encoder (288 / 512 tokens): 64 x 64, 4 warps.
+    fp32 halves the key block (registers)."""
     if dtype == torch.float32:
         return BlockConfig(64, 32, 4, 2)
-    if n_tokens >= 1024:
-        return BlockConfig(128, 64, 8, 3)
+    if grid_w is not None:
+        for bn in (64, 32, 16):
+            if grid_w % bn == 0 and n_tokens >= 1024:
+                return BlockConfig(128, 64, 8, 3) if bn == 64 else BlockConfig(64, bn, 4, 3)
+        return BlockConfig(64, 16, 4, 3)
     return BlockConfig(64, 64, 4, 3)
 
 
@@ -227,7 +237,7 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
         rh_strides = rw_strides = (0, 0, 0)
     vec = 16 // q.element_size()
     align = vec if _aligned((q, k, v, out), vec) else 1
-    bm, bn, warps, stages = config or default_config(n, q.dtype)
+    bm, bn, warps, stages = config or default_config(n, q.dtype, grid_w if relpos else None)
     grid = (triton.cdiv(n, bm) * b * heads,)
     _KERNELS["fwd"][grid](
         q, k, v, out, rel_h, rel_w,
