@@ -129,12 +129,16 @@ def test_the_plan_decides_graphs_attention_and_masks_per_row():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (cuda/unit on the H200)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager_bitwise(dtype):
-    from fastdeploy_ext.runner import get_backend_class
-    runner = get_backend_class("cuda").create(PlanRequest(
-        device="cuda", dtype=dtype, graph_config=GraphOptimizationConfig(use_detector_cudagraph=True,
-                                                                         detector_capture_sizes=BUCKETS)))
     from fastdeploy_ext.conformance.references import Manifest
-    runner.load_detector(str(Manifest.load().path("tiny_detector")))
+    from fastdeploy_ext.models.registry import detect_family
+    from fastdeploy_ext.runner import get_backend_class
+    path = str(Manifest.load().path("tiny_detector"))
+    # the first plan is resolved for the checkpoint's detector family: forcing detector graphs on
+    # a VLM's plan is a PlanError
+    runner = get_backend_class("cuda").create(PlanRequest(
+        device="cuda", dtype=dtype, model_family=detect_family(path).family.name,
+        graph_config=GraphOptimizationConfig(use_detector_cudagraph=True, detector_capture_sizes=BUCKETS)))
+    runner.load_detector(path)
     assert runner.capture_detector_graphs().captured == 3
     pixels = torch.rand(3, 3, td.IMAGE, td.IMAGE, device="cuda").to(runner.dtype)
     with torch.inference_mode():

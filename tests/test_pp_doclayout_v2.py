@@ -386,17 +386,37 @@ def v2_case():
 
 def test_the_fixtures_shipped_and_live_references_agree_on_the_cpu(v2_case):
     """On the CPU (the shipped outputs' sort) both references are there and agree; the seed's top-k
-    margin and the thresholds' margin hold; the goldens keep detections on both pages."""
-    from fastdeploy_ext.conformance.detector_checks import check_outputs, check_topk_margin
+    margin and the thresholds' margin hold; the goldens keep detections on both pages. The live
+    reference is computed here, with this machine's threads: a kept box within 1e-7 of the
+    shipped one can still truncate to the neighbouring integer of the reading-order grid, which
+    moves every order logit; the fixture's reconcile resolves that as the suite does (order_logits
+    through our network on the shipped grid), anything else is compared as it is."""
+    from fastdeploy_ext.conformance.detector_checks import OUTPUTS, check_outputs, check_topk_margin
     from fastdeploy_ext.models.pp_doclayout_v2 import tiny as v2tiny
+    from fastdeploy_ext.models.pp_doclayout_v3.model import DetectorOutputs
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import get_backend_class
     _, case = v2_case
     refs = case.expected(CPU)
     assert set(refs) == {"shipped", "live"}
-    check_outputs(SimpleOutputs(refs["live"]), refs["shipped"], case.tolerance)
+    runner = get_backend_class("cpu").create(PlanRequest(device="cpu", dtype="float32",
+                                                         model_family="pp_doclayout_v2"))
+    runner.load_detector(str(case.model_dir))
+    live, _ = case.reconciled(runner, DetectorOutputs(**{k: refs["live"][k] for k in OUTPUTS}), refs["shipped"])
+    check_outputs(live, refs["shipped"], case.tolerance)
     check_topk_margin(refs["live"]["enc_outputs_class"], case.num_queries, case.topk_margin)
     kept = v2tiny.kept_counts(refs["live"]["logits"], v2tiny.THRESHOLDS)
     assert all(0 < n < case.num_queries for n in kept)          # the network sees boxes and padding
-    assert case.goldens(CPU) == case.golden and all(len(p) > 0 for p in case.golden)
+    # the goldens of the (reconciled) live outputs are the shipped goldens: the same detections in
+    # the same reading order, scores and pixel boxes within the outputs' tolerance
+    from fastdeploy_ext.models.pp_doclayout_v2.conformance import goldens_of
+    got = goldens_of({k: getattr(live, k) for k in OUTPUTS}, list(v2tiny.PAGE_SIZES), v2tiny.DETECT_THRESHOLD)
+    assert all(len(p) > 0 for p in case.golden) and [len(p) for p in got] == [len(p) for p in case.golden]
+    for page_got, page_want in zip(got, case.golden):
+        for a, b in zip(page_got, page_want):
+            assert (a["label"], a["label_id"], a["order"]) == (b["label"], b["label_id"], b["order"]), (a, b)
+            assert abs(a["score"] - b["score"]) <= case.tolerance, (a, b)
+            assert max(abs(x - y) for x, y in zip(a["bbox"], b["bbox"])) <= 0.1, (a, b)     # pixels
 
 
 class SimpleOutputs:
