@@ -39,6 +39,7 @@ def test_jobs_submitted_together_run_interleaved_with_their_own_results_and_metr
     try:
         before = scrape(srv)
         assert {k: before[k] for k in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+        assert before["job_pages_in_flight_limit"] == 64.0          # 4 x --max-pages-in-flight (16)
         with client(api, srv) as c:
             jobs = [c.submit_document_parsing(file_path=str(PDFS / d)) for d in DOCS]
             peak = dict.fromkeys(GAUGES, 0.0)
@@ -59,8 +60,8 @@ def test_jobs_submitted_together_run_interleaved_with_their_own_results_and_metr
         check_pages(r, n, pdf=True)
         assert [p.pruned_result["page_index"] for p in r.pages] == list(range(n))
         assert len({p.pruned_result["input_path"] for p in r.pages}) == 1
-    # the default --max-running-jobs (4) runs all three at once
-    assert peak["jobs_running"] == 3
+    # the default --max-running-jobs (4) runs all three at once, within the server's page budget
+    assert peak["jobs_running"] == 3 and peak["job_pages_in_flight"] <= 64
     for k in ("job_pages_in_flight", "job_blocks_in_flight", "job_pages_per_second"):
         assert peak[k] > 0, (k, peak)
     # once done: exact counts, nothing left in flight

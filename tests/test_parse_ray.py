@@ -185,6 +185,13 @@ def test_a_page_that_kills_every_worker_is_an_error_record_after_max_attempts(tm
     assert len(re.findall(r"starting ray-\d\.\d+ in its place", caplog.text)) == 2, caplog.text[-3000:]
 
 
+def closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):
     from fastdeploy_ext.entrypoints.cli import main
     from fastdeploy_ext.parsing.ray_cluster import RayOptions, plan_render, plan_workers
@@ -193,7 +200,8 @@ def test_bad_ray_flags_are_usage_errors(tmp_path, layout_dir, capsys):
                       ([str(pdf), "--ray", "--ray-num-workers", "0"], "--ray-num-workers must be >= 1"),
                       ([str(pdf), "--ray", "--ray-num-workers", "many"], "'many': a number or auto"),
                       ([str(pdf), "--ray", "--max-attempts", "0"], "--max-attempts must be >= 1"),
-                      ([str(pdf), "--ray", "--workers", "2"], "drop --workers")):
+                      ([str(pdf), "--ray", "--workers", "2"], "drop --workers"),
+                      ([str(pdf), "--ray", f"127.0.0.1:{closed_port()}"], "nothing answers there")):
         assert main(["parse", *bad, "--output", str(tmp_path / "o"), *base_args(layout_dir)]) == 2
         err = capsys.readouterr().err
         assert what in err, err[-1000:]

@@ -42,6 +42,23 @@ ACTOR_CONCURRENCY = 4
 RENDER_MODES = ("tasks", "actor")
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """ValueError unless ``address`` (HOST:PORT or ray://HOST:PORT) accepts a TCP connection
+    within ``timeout_s``: ray.init retries an address where nothing answers for minutes, so a
+    mistyped head address would look like a hang."""
+    import socket
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--ray {address}: not a HOST:PORT address (the head's GCS port, e.g. 10.0.0.5:6379)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ValueError(f"--ray {address}: nothing answers there ({type(e).__name__}: {e}); is the head running "
+                         "(`ray start --head` on it) and the port open from this host?") from None
+
+
 @dataclass(frozen=True)
 class RayOptions:
     """The --ray flags. ``address`` None: ray.init's own rule (RAY_ADDRESS, a cluster started on
@@ -161,6 +178,8 @@ class RayDocumentParser:
             return ray
         addr = self.ray_options.address
         kwargs = {"address": addr} if addr not in (None, "local") else {}
+        if addr not in (None, "local", "auto"):
+            check_reachable(addr)
         try:
             ray.init(**kwargs, log_to_driver=True, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError) as e:      # no cluster there: a usage error, not a traceback

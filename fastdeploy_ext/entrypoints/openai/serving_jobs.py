@@ -513,6 +513,8 @@ class JobsCollector:
                                 f"over the last {svc.rate.window_s:g} s", value=svc.rate.rate())
         for key, doc in PIPELINE_GAUGES:
             yield GaugeMetricFamily(f"fastdeploy_ext:job_{key}", doc, value=float(depths[key]))
+        yield GaugeMetricFamily("fastdeploy_ext:job_pages_in_flight_limit", "Pages in flight across the running jobs "
+                                "at most (--job-pages-in-flight)", value=float(svc.page_slots.size))
 
 
 async def expiry_loop(service: JobService, period_s: float) -> None:
