@@ -126,6 +126,17 @@ def submit_all(svc) -> dict[str, tuple[str, int]]:
     return ids
 
 
+def run_all(svc) -> dict[str, tuple[str, int]]:
+    """The service started, then every document submitted and waited for; the service closed."""
+    svc.start(None)
+    try:
+        ids = submit_all(svc)
+        wait_finished(svc, ids)
+    finally:
+        svc.close()
+    return ids
+
+
 def wait_finished(svc, ids, timeout=300.0):
     import time
     end = time.monotonic() + timeout
@@ -139,12 +150,7 @@ def wait_finished(svc, ids, timeout=300.0):
 def test_jobs_run_together_on_shared_stages_and_keep_their_own_results(tmp_path, layout_dir):
     svc, gate = make_service(tmp_path, layout_dir, max_running=2)
     # the service is started before the jobs come in: the first starts alone, the second joins it
-    svc.start(None)
-    try:
-        ids = submit_all(svc)
-        wait_finished(svc, ids)
-    finally:
-        svc.close()
+    ids = run_all(svc)
     assert not gate.timed_out, "blocks of two jobs were never in the engine at once: the jobs ran one by one"
     assert gate.peak_running == 2                         # max_running_jobs=2 of the 3 jobs
     assert sorted(gate.jobs_seen) == sorted(label(j) for j in ids)
@@ -168,12 +174,7 @@ def test_with_one_running_job_the_gate_sees_one_job_at_a_time(tmp_path, layout_d
     """The check above fails where jobs run one by one: max_running_jobs=1 never has two jobs'
     blocks in the engine together (the gate times out, then every job still completes)."""
     svc, gate = make_service(tmp_path, layout_dir, max_running=1, give_up_s=3.0)
-    svc.start(None)
-    try:
-        ids = submit_all(svc)
-        wait_finished(svc, ids)
-    finally:
-        svc.close()
+    ids = run_all(svc)
     assert gate.timed_out and gate.peak_running == 1
     assert all(svc.jobs[j].state is JobState.DONE for j in ids)
 
@@ -240,12 +241,7 @@ def run_with_holder(tmp_path, layout_dir, pages_in_flight: int | None) -> tuple[
     svc, _ = make_service(tmp_path, layout_dir, max_running=3, pages_in_flight=pages_in_flight)
     holder = Holder(svc, want=3, give_up_s=0.5)
     svc._driver_factory = lambda: (lambda times: HolderDriver(holder))
-    svc.start(None)
-    try:
-        ids = submit_all(svc)
-        wait_finished(svc, ids)
-    finally:
-        svc.close()
+    ids = run_all(svc)
     return svc, holder, ids
 
 
