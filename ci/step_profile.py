@@ -58,13 +58,15 @@ def decode_prompt(i: int, repeats: int = 0) -> str:
     return f"OCR: line {i} of the page" + FILL * repeats
 
 
-def repeats_for(engine: LLMEngine, tokens: int) -> int:
-    """FILL copies that bring a prompt to about ``tokens`` tokens (the KV length the decode
-    steps read), whatever the tokenizer (a byte-level one makes a word several tokens)."""
+def repeats_for(engine: LLMEngine, tokens: int) -> tuple[int, int]:
+    """(FILL copies that bring a prompt to about ``tokens`` tokens, that prompt's length): the KV
+    length the decode steps read, whatever the tokenizer (a byte-level one makes a word several
+    tokens)."""
     def length(r):
         return engine.process_request("len", {"prompt": decode_prompt(0, r)}, params(1)).prompt_len
     base, per = length(0), length(1) - length(0)
-    return max(0, (tokens - base) // max(1, per))
+    repeats = max(0, (tokens - base) // max(1, per))
+    return repeats, length(repeats)
 
 
 def decode_step_times(engine: LLMEngine, batch: int, tokens: int, tag: str, repeats: int = 0) -> list[float]:
@@ -366,10 +368,10 @@ def main() -> None:
                        max_num_seqs=max(64, *batches, args.profile_batch), max_model_len=max_len,
                        gpu_memory_utilization=0.5)
     engine = LLMEngine(cfg)
-    repeats = repeats_for(engine, args.context) if args.context else 0
+    repeats = 0
     if args.context:
-        seq = engine.process_request("len", {"prompt": decode_prompt(0, repeats)}, params(1))
-        print(f"[{args.label}] prompt tokens per request: {seq.prompt_len}")
+        repeats, prompt_tokens = repeats_for(engine, args.context)
+        print(f"[{args.label}] prompt tokens per request: {prompt_tokens}")
     decode_step_times(engine, 1, 32, "warm")
     for r in range(args.rounds):
         for b in batches:

@@ -277,7 +277,7 @@ def _deepseek_decoder_logits(fused: bool, device: str, dtype: torch.dtype) -> to
 
 
 @interp
-def test_interp_deepseek_fused_decoder_equals_its_aten_decoder():
+def test_interp_deepseek_fused_decoder_equals_its_aten_decoder(monkeypatch):
     """DeepSeek-OCR-2's decoder with the fused passes (packed q|k|v and gate|up, add + RMSNorm,
     rope into the cache) gives its ATen path's logits (fp32); a fused path that drops the rotary
     of k (k written to the cache unrotated) is caught by the same comparison."""
@@ -295,12 +295,8 @@ def test_interp_deepseek_fused_decoder_equals_its_aten_decoder():
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
         q.copy_(apply_rotary(q.reshape(n, hq, d), cos, sin).reshape(n, -1))
         self.kv.write(layer, k.reshape(n, hkv, d), v.reshape(n, hkv, d), self.meta.slot_mapping)
-    saved = tr.PagedAttention.write_rotated
-    tr.PagedAttention.write_rotated = write_unrotated
-    try:
-        broken = _deepseek_decoder_logits(True, "cpu", torch.float32)
-    finally:
-        tr.PagedAttention.write_rotated = saved
+    monkeypatch.setattr(tr.PagedAttention, "write_rotated", write_unrotated)
+    broken = _deepseek_decoder_logits(True, "cpu", torch.float32)
     assert (broken - eager).abs().max().item() > 1e-2
 
 

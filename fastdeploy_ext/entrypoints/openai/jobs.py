@@ -34,6 +34,7 @@ from enum import Enum
 from pathlib import Path
 
 from ...parsing.durable import fsync_dir, write_atomic
+from ...parsing.pipeline import PageSlots
 
 log = logging.getLogger("fastdeploy_ext.jobs")
 
@@ -75,6 +76,11 @@ class JobRecord:
         return cls(**d)
 
 
+#: --job-pages-in-flight's default, in jobs' worth of --max-pages-in-flight: as many pages as the
+#: default --max-running-jobs (4) held when each job had its own
+DEFAULT_PAGE_BUDGET_JOBS = 4
+
+
 class QueueFull(Exception):
     """More unfinished jobs than the queue holds."""
 
@@ -84,8 +90,8 @@ class JobsConfig:
     jobs_dir: Path
     max_queued_jobs: int = 64           # pending + running; beyond: 429
     max_running_jobs: int = 4           # jobs whose pages are in the pipeline at once
-    # pages in flight across every running job (None: 4 x the per-job --max-pages-in-flight), so
-    # more running jobs share the pages in flight rather than multiply them
+    # pages in flight across every running job (None: DEFAULT_PAGE_BUDGET_JOBS x the per-job
+    # --max-pages-in-flight), so more running jobs share the pages in flight rather than multiply them
     pages_in_flight: int | None = None
     max_upload_bytes: int = 200 << 20
     ttl_s: float = 86400.0
@@ -195,8 +201,7 @@ class JobService:
                      "length (ignore_eos)")
             base_opts = replace(base_opts, planted_decode=True)
         self.base_opts = base_opts
-        from ...parsing.pipeline import PageSlots
-        self.page_slots = PageSlots(config.pages_in_flight or 4 * base_opts.max_pages_in_flight)
+        self.page_slots = PageSlots(config.pages_in_flight or DEFAULT_PAGE_BUDGET_JOBS * base_opts.max_pages_in_flight)
         self.engine = engine
         self.engine_ready = engine_ready
         self.jobs: dict[str, JobRecord] = {}
@@ -302,7 +307,7 @@ class JobService:
                  "flight (--max-pages-in-flight), %d pages in flight across them (--job-pages-in-flight%s), on the "
                  "shared renderer, layout model and engine", self.config.max_running_jobs,
                  self.base_opts.max_pages_in_flight, self.page_slots.size,
-                 "" if self.config.pages_in_flight else ": 4 x --max-pages-in-flight")
+                 "" if self.config.pages_in_flight else f": {DEFAULT_PAGE_BUDGET_JOBS} x --max-pages-in-flight")
         self._thread = threading.Thread(target=self._run, name="fdx-jobs", daemon=True)
         self._thread.start()
 

@@ -60,18 +60,19 @@ class MoE(nn.Module):
         w, idx = probs.topk(self.c.num_experts_per_tok, -1)
         return w * self.c.routed_scaling_factor, idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output, in x's dtype."""
         w, idx = self.route(x)
-        routed = self.backend.experts(x, w, idx, self.gate_up, self.down)
-        return routed.to(x.dtype) + self.shared_experts(x)
+        return self.backend.experts(x, w, idx, self.gate_up, self.down).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x) + self.shared_experts(x)
 
     def pack(self) -> None:
         self.shared_experts.pack()
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        w, idx = self.route(x)
-        routed = self.backend.experts(x, w, idx, self.gate_up, self.down)
-        return routed.to(x.dtype) + self.shared_experts.forward_fused(x)
+        return self.routed(x) + self.shared_experts.forward_fused(x)
 
 
 class DecoderLayer(nn.Module):

@@ -66,12 +66,12 @@ def default_config(n_tokens: int, dtype: torch.dtype, grid_w: int | None = None)
     fp32 halves the key block (registers)."""
     if dtype == torch.float32:
         return BlockConfig(64, 32, 4, 2)
-    if grid_w is not None:
-        for bn in (64, 32, 16):
-            if grid_w % bn == 0 and n_tokens >= 1024:
-                return BlockConfig(128, 64, 8, 3) if bn == 64 else BlockConfig(64, bn, 4, 3)
-        return BlockConfig(64, 16, 4, 3)
-    return BlockConfig(64, 64, 4, 3)
+    if grid_w is None:
+        return BlockConfig(64, 64, 4, 3)
+    bn = next((b for b in (64, 32, 16) if grid_w % b == 0), None)
+    if n_tokens >= 1024 and bn is not None:
+        return BlockConfig(128, 64, 8, 3) if bn == 64 else BlockConfig(64, bn, 4, 3)
+    return BlockConfig(64, 16, 4, 3)
 
 
 if triton is not None:
