@@ -4,14 +4,16 @@
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
 #   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill] [deepseek]
-#   [parse] [parseplots]
+#   [deepseek_e2e] [parse] [parseplots]
 #   (parseplots: bench parse at the released sizes, dummy weights, with --plots: its stage and GPU-busy
 #   charts into $OUT/parse_plots; matplotlib must be importable there, e.g. its wheels in .whl)
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
 #   prefill: each prefill step's wall vs device time and host phases on blocks / lines512, and the
 #   inter-token gaps of running requests, with mixed steps off and on; deepseek: bench vision and
 #   bench generate on DeepSeek-OCR-2 at the released size, dummy weights on both sides, eager ATen;
-#   its graphed variants: ci/gpu_leg.sh deepseek_graphs)
+#   its graphed variants: ci/gpu_leg.sh deepseek_graphs; deepseek_e2e: DeepSeek-OCR-2 end to end on six-crop
+#   A4 pages (1240x1754) x ~1k output tokens, all submitted at once so the decode batch can reach 128+:
+#   pages/s, the decode batch (median, max), GPU busy; transformers on DSE_REF_BATCH of the pages)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -87,6 +89,13 @@ if [[ $steps == *" deepseek "* ]]; then
   timeout 300 $FDX bench generate --load-format dummy --model-family deepseek_ocr2 --device cuda \
     --workloads page1,pages64 --pages 16 --page-tokens 256 --page1-tokens 128 --ref-batch 4 \
     --json-out "$OUT/bench_generate_deepseek.json" >> "$log" 2>&1
+fi
+if [[ $steps == *" deepseek_e2e "* ]]; then
+  echo "### deepseek_ocr2 bench generate, six-crop A4 pages end to end" >> "$log"
+  timeout ${DSE_TIMEOUT:-420} $FDX bench generate --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --workloads pages64 --pages ${DSE_PAGES:-256} --page-tokens ${DSE_TOKENS:-1024} --page-size 1240x1754 \
+    --max-num-seqs ${DSE_MAX_SEQS:-256} --ref-batch ${DSE_REF_BATCH:-8} ${DSE_ARGS:-} \
+    --json-out "$OUT/bench_generate_deepseek_e2e.json" >> "$log" 2>&1
 fi
 if [[ $steps == *" parseplots "* ]]; then
   echo "### bench parse --plots" >> "$log"

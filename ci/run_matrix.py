@@ -282,6 +282,15 @@ def write_error_junit(path: Path, leg: Leg, message: str) -> None:
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def failure_tail(log: str, lines: int = 25) -> list[str]:
+    """What a failed leg prints: every FAILED/ERROR summary line (a long skip list must not push
+    them out of view), then the log's last lines."""
+    all_lines = log.splitlines()
+    failures = [ln for ln in all_lines if ln.startswith(("FAILED ", "ERROR "))]
+    last = [ln for ln in all_lines[-lines:] if ln not in failures]
+    return failures + last
+
+
 def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[str], host: str = "ci",
             time_left: float | None = None) -> LegResult:
     budget = leg.budgets[host]
@@ -462,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_leg(leg, matrix, out, args.python, args.pytest_args, host, time_left)
             if args.strict_budgets and res.result == "PASS" and res.seconds > res.budget:
                 res.result = "FAIL"
-            tail = ("\n    " + "\n    ".join((out / f"{leg.slug}.log").read_text().splitlines()[-25:])) if res.failed else ""
+            tail = ("\n    " + "\n    ".join(failure_tail((out / f"{leg.slug}.log").read_text()))) if res.failed else ""
             print(f"    {leg.name}: {res.result} in {res.seconds:.1f}s {res.detail}{tail}", flush=True)
         return res
 

@@ -81,6 +81,31 @@ def test_bench_generate_cpu_reports_both_sides(refs, tmp_path, capsys):
     assert "page1: TTFT" in printed and "stages: prefill " in printed
 
 
+def test_bench_generate_pages_of_a_given_size_report_the_decode_batch(refs, tmp_path, capsys):
+    out = tmp_path / "pages.json"
+    argv = ["bench", "generate", "--model", str(refs.path("tiny_vl")), "--device", "cpu", "--dtype", "float32",
+            "--workloads", "pages64", "--pages", "3", "--page-tokens", "8", "--page-size", "224x160",
+            "--no-reference", "--kv-cache-memory", "32MiB", "--max-model-len", "2048", "--json-out", str(out)]
+    assert cli_mod.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["page_size"] == "224x160"
+    o = rep["workloads"]["pages64"]["ours"]
+    assert o["requests"] == 3 and o["output_tokens"] == 3 * 8
+    # every decode step ran the requests running at its start: the 3 pages together once all
+    # are prefilled (8 tokens each leaves several decode steps after the last prefill)
+    assert o["decode_batch"]["max"] == 3 and 1 <= o["decode_batch"]["median"] <= 3
+    assert "decode batch median" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size, match", [("224", "WxH"), ("12x900", "16..10000"), ("axb", "WxH")])
+def test_bench_generate_bad_page_size_is_a_usage_error(refs, size, match, capsys):
+    argv = ["bench", "generate", "--model", str(refs.path("tiny_vl")), "--device", "cpu", "--workloads", "pages64",
+            "--page-size", size, "--no-reference"]
+    assert cli_mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--page-size" in err and match in err and "Traceback" not in err
+
+
 def test_generate_with_dummy_weights_needs_no_model_dir(refs, tmp_path):
     """Issue 8's "done when" as a fresh clone does it: the released 0.9B shapes with random weights
     and the built-in byte-level tokenizer, on the CPU; the released template's ids around the

@@ -119,6 +119,19 @@ def test_failures_skips_and_absent_devices_are_reported(tmp_path, capsys):
         assert {"matrix/good.xml", "matrix/gpu-only.xml", "matrix/good.log"} <= set(tar.getnames())
 
 
+def test_a_failed_legs_tail_names_the_failures_even_under_a_long_skip_list():
+    log = "\n".join(["..F.."] + ["FAILED tests/test_x.py::test_one - AssertionError",
+                                   "ERROR tests/test_y.py::test_two - RuntimeError"]
+                     + [f"SKIPPED [1] tests/test_s.py:{i}: no GPU" for i in range(40)]
+                     + ["1 failed, 1 error, 40 skipped in 1.0s"])
+    tail = run_matrix.failure_tail(log)
+    assert tail[:2] == ["FAILED tests/test_x.py::test_one - AssertionError",
+                        "ERROR tests/test_y.py::test_two - RuntimeError"]
+    assert tail[-1] == "1 failed, 1 error, 40 skipped in 1.0s" and len(tail) == 2 + 25
+    # a plain last-25-lines tail would have lost both
+    assert not any(ln.startswith(("FAILED", "ERROR")) for ln in log.splitlines()[-25:])
+
+
 def test_a_hung_leg_is_killed_and_fails(tmp_path, capsys):
     matrix = _write(tmp_path, "cpu_budget_total_s: 60\ngpu_budget_total_s: 60\nlegs:\n" + leg("hang", "test_hang.py", budget=1))
     assert run_matrix.main(["--matrix", str(matrix), "--junit-dir", str(tmp_path / "j")]) == 1

@@ -4,10 +4,11 @@ uses its own random init of the same config: speed compares, tokens do not). DES
 7, issue 8 item 12. Nothing here asserts a time.
 
 Workloads (greedy, ignore_eos, "OCR:"):
-- page1: one 1080p page; time to first token from the call with the PNG bytes in memory to the
+- page1: one 1080p page (--page-size WxH for another size); time to first token from the call with the PNG bytes in memory to the
   first token on the host (preprocess + vision + prefill), then decode tokens/s at batch 1;
-- pages64: N different 1080p pages x exactly T new tokens: pages/s and output tokens/s (the
-  reference runs a subset at batch --ref-batch; compared per page);
+- pages64: N different 1080p pages (--page-size) x exactly T new tokens: pages/s and output
+  tokens/s (the reference runs a subset at batch --ref-batch; compared per page); e.g. A4 at
+  150 dpi, ``--page-size 1240x1754``, is a six-crop page for DeepSeek-OCR-2;
 - lines256: N text-line crops x 64 tokens;
 - blocks: --pages N document pages as a layout-parsing pipeline feeds them, 16 crops per page
   (2 titles ~900x60 px / 16 tokens, 9 paragraphs ~1000x180 / 120, 1 table ~1000x600 / 600 with
@@ -19,7 +20,8 @@ Workloads (greedy, ignore_eos, "OCR:"):
 - lines512: 512 of the lines workload's crops x 32 tokens (the reference as for lines256).
 All requests of a workload are submitted at once. Each workload also reports its steps by kind
 (prefill / decode: count, total and median wall time; prefill steps that also advanced running
-requests counted as mixed) and, with --itl, the inter-token gaps of running requests from a
+requests counted as mixed; the decode batch: requests running at a decode step's start, median
+and max) and, with --itl, the inter-token gaps of running requests from a
 re-run with every request streamed (p50 / p99 / max, and apart those that span a prefill step:
 what a newcomer's vision pass and prefill cost the requests already decoding), and, with
 --profile, the device-active
@@ -63,6 +65,7 @@ class GenerateBenchOptions:
     pages: int = 64
     page_tokens: int = 512
     page1_tokens: int = 256
+    page_size: tuple[int, int] = (1920, 1080)   # page1 / pages64 pages, (width, height)
     lines: int = 256
     line_tokens: int = 64
     crops_per_page: int = 16            # blocks: the first K crops of each page's layout (tests use fewer)
@@ -84,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pages", type=int, default=64, help="pages of pages64, and of blocks (16 crops each)")
     g.add_argument("--page-tokens", type=int, default=512)
     g.add_argument("--page1-tokens", type=int, default=256, help="tokens of the batch-1 decode measurement")
+    g.add_argument("--page-size", default="1920x1080", metavar="WxH",
+                   help="page1 / pages64: the pages' size in pixels (1240x1754: A4 at 150 dpi)")
     g.add_argument("--lines", type=int, default=None, help="text-line crops (default 256; 16 on CPU)")
     g.add_argument("--line-tokens", type=int, default=64)
     g.add_argument("--crops-per-page", type=int, default=16,
@@ -111,12 +116,25 @@ def options_from_args(ns, on_cpu: bool) -> GenerateBenchOptions:
         raise ValueError(f"--crops-per-page must be in [1, {len(PAGE_LAYOUT)}], got {ns.crops_per_page}")
     if not ns.block_token_scale > 0:
         raise ValueError(f"--block-token-scale must be > 0, got {ns.block_token_scale}")
+    page_size = parse_page_size(getattr(ns, "page_size", "1920x1080"))
     return GenerateBenchOptions(workloads=wl, pages=ns.pages, page_tokens=ns.page_tokens, page1_tokens=ns.page1_tokens,
+                                page_size=page_size,
                                 lines=ns.lines or (16 if on_cpu else 256), line_tokens=ns.line_tokens,
                                 crops_per_page=ns.crops_per_page, block_token_scale=ns.block_token_scale,
                                 lines512=ns.lines512, lines512_tokens=ns.lines512_tokens, profile=ns.profile,
                                 itl=getattr(ns, "itl", False),
                                 ref_batch=ns.ref_batch, reference=not ns.no_reference, json_out=ns.json_out)
+
+
+def parse_page_size(text: str) -> tuple[int, int]:
+    """``WxH`` in pixels, each side 16..10000 (a page beyond that is no page)."""
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--page-size must be WxH in pixels, like 1240x1754, got {text!r}") from None
+    if not (16 <= w <= 10_000 and 16 <= h <= 10_000):
+        raise ValueError(f"--page-size sides must be within 16..10000 pixels, got {w}x{h}")
+    return w, h
 
 
 # ------------------------------------------------------------------ inputs
@@ -138,8 +156,8 @@ def synthetic_png(seed: int, width: int, height: int, lines: int) -> bytes:
     return buf.getvalue()
 
 
-def page_pngs(n: int, seed0: int = 0) -> list[bytes]:
-    return [synthetic_png(seed0 + i, 1920, 1080, 40) for i in range(n)]
+def page_pngs(n: int, seed0: int = 0, size: tuple[int, int] = (1920, 1080)) -> list[bytes]:
+    return [synthetic_png(seed0 + i, size[0], size[1], 40) for i in range(n)]
 
 
 def line_pngs(n: int, seed0: int = 10_000) -> list[bytes]:
@@ -217,15 +235,15 @@ def _warm_kinds(workloads) -> list[str]:
     return list(dict.fromkeys(kind.get(wl, "page") for wl in workloads))
 
 
-def warmup_images(workloads) -> list[list[bytes]]:
+def warmup_images(workloads, page_size: tuple[int, int] = (1920, 1080)) -> list[list[bytes]]:
     """One warm-up image per image shape among ``workloads``: a text line for lines256 /
-    lines512, a 1080p page for page1 / pages64, one crop of each block kind for blocks."""
+    lines512, a page of ``page_size`` for page1 / pages64, one crop of each block kind for blocks."""
     def images(k):
         if k == "line":
             return line_pngs(1, 99_999)
         if k == "blocks":
             return [r.image for r in block_requests(1, len(BLOCK_KINDS), seed0=88_888)]
-        return page_pngs(1, 77_777)
+        return page_pngs(1, 77_777, page_size)
     return [images(k) for k in _warm_kinds(workloads)]
 
 
@@ -343,6 +361,8 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
     steps_done = (before.num_prefill_steps, before.num_decode_steps)
     step_s = {"prefill": 0.0, "decode": 0.0}
     step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    decode_batch: list[int] = []
+    running = before.num_running
     token_times: dict[str, list[float]] = {}
     prefill_ends: list[float] = []
     prof = _profiler(api) if profile else None
@@ -367,9 +387,12 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
                 kind = "prefill" if now[0] > steps_done[0] else "decode"
                 step_s[kind] += dt
                 step_times[kind].append(dt)
+                if kind == "decode":         # a decode step admits nobody: it ran those running before it
+                    decode_batch.append(running)
                 steps_done = now
                 if itl and kind == "prefill":
                     prefill_ends.append(ts + dt)
+            running = st.num_running
             if itl:
                 for o in outs:
                     if o.delta_token_ids:
@@ -391,6 +414,8 @@ def run_requests(engine: LLMEngine, requests: list[BenchRequest], profile: bool 
            "output_tokens": n_out, "requests_per_s": len(requests) / wall, "output_tokens_per_s": n_out / wall,
            "gpu_busy_pct": gpu.busy_pct, "peak_memory_bytes": _peak(api),
            "steps": {k: step_summary(v) for k, v in step_times.items()},
+           "decode_batch": {"median": statistics.median(decode_batch) if decode_batch else None,
+                            "max": max(decode_batch, default=None)},
            "mixed_steps": engine.stats().num_mixed_steps - before.num_mixed_steps,
            "stages": _stages(before, engine.stats(), step_s, wall),
            "token_ids": [done[r].token_ids for r in ids],
@@ -538,13 +563,13 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
     report = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "model": config.model or "dummy",
               "max_prefill": bool(engine.max_prefill.value), "max_num_seqs": config.max_num_seqs,
               "max_num_batched_tokens": config.max_num_batched_tokens,
-              "kv_blocks": engine.block_manager.num_blocks, "workloads": {},
+              "kv_blocks": engine.block_manager.num_blocks, "page_size": "%dx%d" % opts.page_size, "workloads": {},
               "reference_weights": (None if ref is None else "same as ours" if ref.same_weights else
                                     "transformers' own random init (dummy): speed compares, tokens do not")}
     # warm-up: one image of each shape the requested workloads use (other pixels than the timed
     # ones), so no workload's first request pays Triton compiles or allocator growth; the
     # reference likewise. Only those shapes: a 1080p page on the CPU takes minutes.
-    warm = warmup_images(opts.workloads)
+    warm = warmup_images(opts.workloads, opts.page_size)
     kinds = _warm_kinds(opts.workloads)
     pixel_kwargs, pixels_source = released_pixel_kwargs(engine) if "blocks" in opts.workloads else (None, "")
     log.info("bench generate: warm-up with %d image(s) (%s)", sum(map(len, warm)), ", ".join(kinds))
@@ -559,7 +584,7 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
                 ref.generate(imgs, opts.prompt, 4)
     for wl in opts.workloads:
         if wl == "page1":
-            pages = page_pngs(1, 5_000)
+            pages = page_pngs(1, 5_000, opts.page_size)
             first = run_ours(engine, pages, opts.prompt, 1)
             full = run_ours(engine, pages, opts.prompt, opts.page1_tokens)
             res = {"ours": {"ttft_s": first["wall_s"],
@@ -576,7 +601,7 @@ def run_generate_bench(config: EngineConfig, opts: GenerateBenchOptions) -> dict
         elif wl == "blocks":
             res = _blocks(engine, opts, pixel_kwargs, pixels_source)
         else:
-            imgs = {"pages64": lambda: page_pngs(opts.pages), "lines256": lambda: line_pngs(opts.lines),
+            imgs = {"pages64": lambda: page_pngs(opts.pages, size=opts.page_size), "lines256": lambda: line_pngs(opts.lines),
                     "lines512": lambda: line_pngs(opts.lines512)}[wl]()
             tokens = {"pages64": opts.page_tokens, "lines256": opts.line_tokens, "lines512": opts.lines512_tokens}[wl]
             reqs = [BenchRequest(png, opts.prompt, tokens) for png in imgs]
@@ -661,7 +686,8 @@ def _same(v) -> str:
 
 def print_report(report: dict) -> None:
     print(f"bench generate: device {report['device']} dtype {report['dtype']} model {report['model']} "
-          f"max_prefill={report['max_prefill']} kv_blocks={report['kv_blocks']}")
+          f"max_prefill={report['max_prefill']} kv_blocks={report['kv_blocks']} max_num_seqs={report['max_num_seqs']} "
+          f"pages {report.get('page_size', '1920x1080')}")
     for wl, r in report["workloads"].items():
         o, ref = r["ours"], r.get("reference")
         busy = f"{o['gpu_busy_pct']:.0f}%" if o.get("gpu_busy_pct") is not None else "n/a"
@@ -692,7 +718,9 @@ def print_report(report: dict) -> None:
                                              for n, k in o["kinds"].items()))
             print(f"    reference: {r['reference_skipped']}")
         if o.get("steps"):
-            print(steps_line(o["steps"]) + f" | mixed {o.get('mixed_steps', 0)} of the prefill steps")
+            batch = o.get("decode_batch") or {}
+            print(steps_line(o["steps"]) + f" | mixed {o.get('mixed_steps', 0)} of the prefill steps"
+                  + (f" | decode batch median {batch['median']:g}, max {batch['max']}" if batch.get("max") else ""))
         if o.get("inter_token_gaps"):
             print(gaps_line(o["inter_token_gaps"], o["mixed_steps_enabled"]))
         if o.get("stages"):
