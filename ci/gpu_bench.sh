@@ -4,7 +4,7 @@
 # generate and bench serve. Wheels: .whl (transformers 5.24, fa3-fwd, this project) and
 # .whl_old/fastdeploy_ext-*.whl (the older commit: pip wheel --no-deps -w .whl_old <checkout>).
 #   usage: FDX_COMMIT=<sha> OLD_COMMIT=<sha> ci/gpu_bench.sh [vision] [parity] [generate] [serve] [compare] [prefill] [deepseek]
-#   [deepseek_e2e] [parse] [parseplots]
+#   [deepseek_e2e] [deepseek_stages] [parse] [parseplots]
 #   (parseplots: bench parse at the released sizes, dummy weights, with --plots: its stage and GPU-busy
 #   charts into $OUT/parse_plots; matplotlib must be importable there, e.g. its wheels in .whl)
 #   (compare: old vs new bench generate in COMPARE_ROUNDS interleaved rounds, medians side by side;
@@ -13,7 +13,9 @@
 #   bench generate on DeepSeek-OCR-2 at the released size, dummy weights on both sides, eager ATen;
 #   its graphed variants: ci/gpu_leg.sh deepseek_graphs; deepseek_e2e: DeepSeek-OCR-2 end to end on six-crop
 #   A4 pages (1240x1754) x ~1k output tokens, all submitted at once so the decode batch can reach 128+:
-#   pages/s, the decode batch (median, max), GPU busy; transformers on DSE_REF_BATCH of the pages)
+#   pages/s, the decode batch (median, max), GPU busy; transformers on DSE_REF_BATCH of the pages;
+#   deepseek_stages: DeepSeek-OCR-2's eager vision tower stage by stage (SAM windowed / global blocks,
+#   neck, Qwen2 encoder, projector, per path) and its top kernels, at batch 16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -96,6 +98,12 @@ if [[ $steps == *" deepseek_e2e "* ]]; then
     --workloads pages64 --pages ${DSE_PAGES:-256} --page-tokens ${DSE_TOKENS:-1024} --page-size 1240x1754 \
     --max-num-seqs ${DSE_MAX_SEQS:-256} --ref-batch ${DSE_REF_BATCH:-8} ${DSE_ARGS:-} \
     --json-out "$OUT/bench_generate_deepseek_e2e.json" >> "$log" 2>&1
+fi
+if [[ $steps == *" deepseek_stages "* ]]; then
+  echo "### deepseek_ocr2 bench vision --profile (stage breakdown)" >> "$log"
+  timeout ${DSS_TIMEOUT:-240} $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
+    --dtype bfloat16 --variants strided/host/eager --workloads ${DSS_WORKLOADS:-page6x16,nocrop16} --iters 3 \
+    --no-reference --profile 30 --json-out "$OUT/bench_vision_deepseek_stages.json" >> "$log" 2>&1
 fi
 if [[ $steps == *" parseplots "* ]]; then
   echo "### bench parse --plots" >> "$log"

@@ -69,15 +69,32 @@ def repeats_for(engine: LLMEngine, tokens: int) -> tuple[int, int]:
     return repeats, length(repeats)
 
 
+def timed_step(engine: LLMEngine) -> tuple[str | None, float, int]:
+    """One engine step: its kind by the engine's own counters ("prefill" for a step that ran any
+    prefill, mixed or not; "decode"; None when nothing ran), its wall time, and the requests
+    running when it started (a decode step's batch: it admits nobody)."""
+    st = engine.stats()
+    running, counts = st.num_running, (st.num_prefill_steps, st.num_decode_steps)
+    t0 = time.perf_counter()
+    engine.step()
+    dt = time.perf_counter() - t0
+    st = engine.stats()
+    if st.num_prefill_steps > counts[0]:
+        return "prefill", dt, running
+    return ("decode" if st.num_decode_steps > counts[1] else None), dt, running
+
+
 def decode_step_times(engine: LLMEngine, batch: int, tokens: int, tag: str, repeats: int = 0) -> list[float]:
+    """The wall times of the decode steps that ran the whole batch (prefill steps, a long
+    context's chunked ones included, and the steps after the first request finished are out)."""
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", {"prompt": decode_prompt(i, repeats)}, params(tokens))
     times = []
     while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return times[2:-2]          # the prefill step(s) and the last (finishing) steps out
+        kind, dt, running = timed_step(engine)
+        if kind == "decode" and running == batch:
+            times.append(dt)
+    return times[1:] or times          # the first full-batch step may still pay a graph's first replay
 
 
 # ---------------------------------------------------------------------- prefill steps
@@ -381,14 +398,18 @@ def main() -> None:
     # profile decode steps at --profile-batch
     pb = args.profile_batch
     for i in range(pb):
-        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 8))
-    # every request past its prefill (a long context takes several chunked prefill steps), so
-    # the profiled steps are decode steps of the whole batch
-    decoding: set[str] = set()
-    while len(decoding) < pb:
-        decoding |= {o.request_id for o in engine.step()}
-    for _ in range(2):
-        engine.step()
+        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 64))   # headroom: early requests decode while later ones prefill
+    # step until a decode step of the whole batch: every request is past its prefill (a long
+    # context takes several chunked prefill steps), so the profiled steps are decode steps of the
+    # whole batch. (Waiting for each request's first output does not work: a request that does
+    # not stream has one output, when it finishes.)
+    while True:
+        kind, _, running = timed_step(engine)
+        if kind == "decode" and running == pb:
+            break
+        if not engine.has_unfinished():
+            raise SystemExit(f"[{args.label}] the profiled batch finished before a decode step of all {pb}")
+    decode_steps_before = engine.stats().num_decode_steps
     acts = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -397,6 +418,7 @@ def main() -> None:
         for _ in range(args.profile_steps):
             engine.step()
     wall = (time.perf_counter() - t0) / args.profile_steps
+    profiled_decode_steps = engine.stats().num_decode_steps - decode_steps_before
     while engine.has_unfinished():
         engine.step()
     n = args.profile_steps
@@ -408,7 +430,8 @@ def main() -> None:
         kernels_us += self_dev / n
         rows.append((e.key, e.count / n, e.self_cpu_time_total / n, dev / n))
     print(f"[{args.label}] batch {pb}: {wall * 1e3:.3f} ms a step (under the profiler), device kernels "
-          f"{kernels_us / 1e3:.3f} ms a step (self device time summed)")
+          f"{kernels_us / 1e3:.3f} ms a step (self device time summed); {profiled_decode_steps} of the "
+          f"{n} profiled steps were decode steps")
     print(f"[{args.label}] per decode step at batch {pb} (mean over {n} steps): op, calls, self CPU us, device us")
     for key, calls, cpu, dev in sorted(rows, key=lambda r: -r[2])[:40]:
         print(f"[{args.label}]   {key[:70]:70s} {calls:6.1f} {cpu:9.1f} {dev:9.1f}")

@@ -31,7 +31,8 @@ def cli(*args, timeout=600):
 def test_bench_vision_ours_vs_transformers_same_weights(model_dir, tmp_path):
     out = tmp_path / "vision.json"
     r = cli("bench", "vision", "--model", str(model_dir), "--device", "cpu", "--workloads", "nocrop",
-            "--variants", "strided/host/eager", "--iters", "1", "--warmup", "0", "--json-out", str(out))
+            "--variants", "strided/host/eager", "--iters", "1", "--warmup", "0", "--profile", "5",
+            "--json-out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["family"] == "deepseek_ocr2"
@@ -41,6 +42,18 @@ def test_bench_vision_ours_vs_transformers_same_weights(model_dir, tmp_path):
     assert ours["workload"] == "nocrop" and ours["rows"] == 257 and ours["row"] == "cpu"
     assert ours["cosine_vs_ref"] >= 0.99999 and ours["speedup_vs_ref"] > 0
     assert "qkv=strided window=sdpa_bias global=sdpa_bias encoder=sdpa_mask" in r.stdout
+    # --profile: the stage breakdown covers every layer of the tower once (a no-crop page: the
+    # global path only), and the top kernels of one call
+    from fastdeploy_ext.models.deepseek_ocr2.config import DeepseekOCR2Config
+    cfg = DeepseekOCR2Config.from_model_dir(model_dir)
+    stages = {row["stage"]: row for row in ours["stages"]}
+    assert {row["path"] for row in ours["stages"]} == {"global"}
+    assert (stages["sam windowed blocks"]["count"] + stages["sam global blocks"]["count"]
+            == cfg.sam.num_hidden_layers)
+    assert stages["sam global blocks"]["count"] == len(cfg.sam.global_attn_indexes)
+    assert stages["qwen2 encoder"]["count"] == cfg.encoder.num_hidden_layers
+    assert all(row["ms"] > 0 for row in ours["stages"])
+    assert 1 <= len(ours["profile"]) <= 5 and "stages (eager, each timed alone" in r.stdout
 
 
 def test_bench_vision_refuses_a_variant_the_family_lacks(model_dir):

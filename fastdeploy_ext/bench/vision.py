@@ -195,11 +195,15 @@ def profile_kernels(fn, api: DeviceAPI, top: int) -> list[dict]:
     with profile(activities=acts) as prof:
         fn()
         api.synchronize()
-    key = "device_time_total" if device_activity is not None else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1.0
-    rows = [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1000, "share": getattr(e, key) / total}
+    # self time: an ATen op's total includes the kernels it launched, so totals would count a
+    # kernel twice (as itself and inside aten::mm / aten::linear / ...)
+    def own(e) -> float:
+        if device_activity is None:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+    events = sorted((e for e in prof.key_averages() if own(e) > 0), key=own, reverse=True)
+    total = sum(own(e) for e in events) or 1.0
+    rows = [{"name": e.key[:90], "calls": e.count, "ms": own(e) / 1000, "share": own(e) / total}
             for e in events[:top]]
     print(f"    profile ({'device' if device_activity is not None else 'cpu self'} time, top {top}):")
     for r in rows:

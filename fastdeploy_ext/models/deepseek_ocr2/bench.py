@@ -67,6 +67,7 @@ def run_vision_bench(source, base, opts) -> int:
     """bench vision for this family (fastdeploy_ext/bench/vision.py hands over here)."""
     from ...bench import BenchError
     from ...bench.timing import Timer, cosine, peak_gib, reset_peak
+    from ...bench.vision import profile_kernels
     from ...plan import PlanError
     from ...runner import ImageBatch, choose_device
     workloads = DEFAULT_VISION_WORKLOADS if opts.workloads == type(opts).workloads else opts.workloads
@@ -139,6 +140,10 @@ def run_vision_bench(source, base, opts) -> int:
             results.append(row)
             sp = f"x{row['speedup_vs_ref']:5.2f} vs ref" if row["speedup_vs_ref"] else "(no reference)"
             print(f"  {w:<10} {ms:9.2f} ms  {sp}  rows {out.shape[0]}" + (f"  cos {cos:.6f}" if cos is not None else ""))
+            if opts.profile:        # --profile TOP: the stage breakdown and the top kernels of one call
+                row["stages"] = vision_stages(runner, batch, timer)
+                print_stages(row["stages"])
+                row["profile"] = profile_kernels(encode, api, opts.profile)
         # every reference to the runner goes (the bound `encode` too) before the next variant loads
         del runner, encode
         gc.collect()
@@ -147,6 +152,56 @@ def run_vision_bench(source, base, opts) -> int:
         with open(opts.json_out, "w") as f:
             json.dump({"device": str(probe.summary()), "family": "deepseek_ocr2", "results": results}, f, indent=1)
     return 0
+
+
+def vision_stages(runner, batch, timer) -> list[dict]:
+    """Where one eager pass of ``batch`` goes, stage by stage, per path (global views, crops):
+    SAM's patch embedding, its windowed and its global blocks (summed per kind), the neck, the
+    Qwen2 encoder and the projector, each timed alone on the input the stages before it made
+    (the plan's backends, ``runner.execution``). The stages add up to about the eager pass."""
+    model, ex = runner.model, runner.execution
+    pixels = batch.pixel_values.to(runner.device)
+    meta = runner.meta_builder.build_host(batch.grid_thw)
+    glob, crops = model.split_views(pixels, meta)
+    rows = []
+    sam = model.sam
+    with torch.inference_mode():
+        for path, parts, is_global in (("global", glob, True), ("local", crops, False)):
+            if not parts:
+                continue
+            n, patches = len(parts), torch.cat(parts)
+            side = int(round((patches.shape[0] // n) ** 0.5))
+            stage = {}
+
+            def embed():
+                return sam.patch_embed(patches).view(n, side, side, -1) + sam.positions(side)
+            stage["sam patch embed + positions"] = (timer(embed), 1)
+            x = embed()
+            for blk in sam.blocks:
+                name = "sam windowed blocks" if blk.window else "sam global blocks"
+                ms = timer(partial(blk, x, ex))
+                total, count = stage.get(name, (0.0, 0))
+                stage[name] = (total + ms, count + 1)
+                x = blk(x, ex)
+
+            def neck(x=x):
+                return sam.net_3(sam.net_2(sam.neck(x.permute(0, 3, 1, 2)))).flatten(2).transpose(1, 2)
+            stage["sam neck + downsample"] = (timer(neck), 1)
+            visual = neck()
+            q = model.query_1024.weight if is_global else model.query_768.weight
+            stage["qwen2 encoder"] = (timer(partial(model.encoder, visual, q, ex)), len(model.encoder.layers))
+            enc = model.encoder(visual, q, ex)
+            stage["projector"] = (timer(partial(model.projector, enc)), 1)
+            rows += [{"path": path, "views": n, "stage": k, "ms": ms, "count": c} for k, (ms, c) in stage.items()]
+    return rows
+
+
+def print_stages(rows: list[dict]) -> None:
+    total = sum(r["ms"] for r in rows) or 1.0
+    print(f"    stages (eager, each timed alone; sum {total:.2f} ms):")
+    for r in rows:
+        print(f"      {r['path']:<6} x{r['views']:<3} {r['stage']:<28} {r['ms']:9.3f} ms {r['ms'] / total * 100:5.1f}%"
+              + (f"  ({r['count']} layers)" if r["count"] > 1 else ""))
 
 
 class TransformersReference:
