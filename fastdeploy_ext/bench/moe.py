@@ -28,20 +28,27 @@ from dataclasses import dataclass
 import torch
 
 from ..device_api import device_api_for
+from ..models.deepseek_ocr2.config import TextConfig
 from .timing import cosine, median_ms
 
 
 @dataclass(frozen=True)
 class MoEShape:
-    hidden: int = 1280
-    experts: int = 64
-    width: int = 896
-    top_k: int = 6
-    shared: int = 2
+    hidden: int
+    experts: int
+    width: int
+    top_k: int
+    shared: int
+
+    @classmethod
+    def of(cls, text) -> "MoEShape":
+        """The MoE layer of a DeepSeek-OCR-2 text config (``TextConfig``)."""
+        return cls(hidden=text.hidden_size, experts=text.n_routed_experts, width=text.moe_intermediate_size,
+                   top_k=text.num_experts_per_tok, shared=text.n_shared_experts)
 
 
-RELEASED = MoEShape()
-TINY = MoEShape(hidden=64, experts=8, width=32, top_k=3, shared=2)     # a CPU smoke run
+RELEASED = MoEShape.of(TextConfig())
+TINY = MoEShape(hidden=64, experts=8, width=32, top_k=3, shared=2)     # a CPU smoke run: the tiny checkpoint's
 DEFAULT_TOKENS = (1, 64, 128, 4096)
 
 

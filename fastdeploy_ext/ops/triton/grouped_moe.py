@@ -158,20 +158,23 @@ if triton is not None:
             tl.store(ROWS + p, tl.full([CHUNK], 0, tl.int32) + M, mask=pmask & pad)
             tl.store(BLOCK_EXPERT + p // BM, owner, mask=pmask & (p % BM == 0))
 
+    def _expert_tile(ROWS, BLOCK_EXPERT, W, M, N, s_we, BM: tl.constexpr, BN: tl.constexpr):
+        # both GEMMs' program: row block pid 0 (its expert, its grouped rows: padding rows hold
+        # M), column block pid 1, and the expert's weight base; a block whose expert is E (past
+        # the used part) has nothing to do, which the caller checks
+        pid_m = tl.program_id(0)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        rows = tl.load(ROWS + pid_m * BM + tl.arange(0, BM))
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        return e, rows, rows < M, n, n < N, W + e.to(tl.int64) * s_we
+
     def _gate_up_kernel(X, W, ROWS, BLOCK_EXPERT, H, M, K, N, E, TOPK,
                         s_xt, s_we, s_wn, s_wk, s_ht,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(BLOCK_EXPERT + pid_m)
+        e, rows, rmask, n, nmask, w_base = _expert_tile(ROWS, BLOCK_EXPERT, W, M, N, s_we, BM, BN)
         if e >= E:
             return
-        rows = tl.load(ROWS + pid_m * BM + tl.arange(0, BM))
-        rmask = rows < M
         tok = (rows // TOPK).to(tl.int64)
-        n = pid_n * BN + tl.arange(0, BN)
-        nmask = n < N
-        w_base = W + e.to(tl.int64) * s_we
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
@@ -190,17 +193,10 @@ if triton is not None:
     def _down_kernel(H, W, ROWS, BLOCK_EXPERT, RW, Y, M, K, N, E,
                      s_ht, s_we, s_wn, s_wk, s_yt,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(BLOCK_EXPERT + pid_m)
+        e, rows, rmask, n, nmask, w_base = _expert_tile(ROWS, BLOCK_EXPERT, W, M, N, s_we, BM, BN)
         if e >= E:
             return
-        rows = tl.load(ROWS + pid_m * BM + tl.arange(0, BM))
-        rmask = rows < M
         r64 = rows.to(tl.int64)
-        n = pid_n * BN + tl.arange(0, BN)
-        nmask = n < N
-        w_base = W + e.to(tl.int64) * s_we
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
@@ -215,7 +211,8 @@ if triton is not None:
                  mask=rmask[:, None] & nmask[None, :])
 
 
-_KERNELS = KernelTable(lambda: {"align": _align_rows_kernel, "gate_up": _gate_up_kernel, "down": _down_kernel})
+_KERNELS = KernelTable(lambda: {"align": _align_rows_kernel, "gate_up": _gate_up_kernel, "down": _down_kernel},
+                       helpers=lambda: {"_expert_tile": _expert_tile})
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
