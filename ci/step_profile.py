@@ -397,8 +397,9 @@ def main() -> None:
                   f"p10 {sorted(t)[len(t) // 10] * 1e3:.3f} ms over {len(t)} steps", flush=True)
     # profile decode steps at --profile-batch
     pb = args.profile_batch
+    # 64 tokens of headroom: the first requests decode while the later ones still prefill
     for i in range(pb):
-        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 64))   # headroom: early requests decode while later ones prefill
+        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 64))
     # step until a decode step of the whole batch: every request is past its prefill (a long
     # context takes several chunked prefill steps), so the profiled steps are decode steps of the
     # whole batch. (Waiting for each request's first output does not work: a request that does
