@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from ..device_api import device_api_for
-from ..models.deepseek_ocr2.config import TextConfig
 from .timing import cosine, median_ms
 
 
@@ -47,7 +46,7 @@ class MoEShape:
                    top_k=text.num_experts_per_tok, shared=text.n_shared_experts)
 
 
-RELEASED = MoEShape.of(TextConfig())
+RELEASED = MoEShape(hidden=1280, experts=64, width=896, top_k=6, shared=2)   # the family's TextConfig defaults
 TINY = MoEShape(hidden=64, experts=8, width=32, top_k=3, shared=2)     # a CPU smoke run: the tiny checkpoint's
 DEFAULT_TOKENS = (1, 64, 128, 4096)
 
