@@ -39,12 +39,6 @@ class MoEShape:
     top_k: int
     shared: int
 
-    @classmethod
-    def of(cls, text) -> "MoEShape":
-        """The MoE layer of a DeepSeek-OCR-2 text config (``TextConfig``)."""
-        return cls(hidden=text.hidden_size, experts=text.n_routed_experts, width=text.moe_intermediate_size,
-                   top_k=text.num_experts_per_tok, shared=text.n_shared_experts)
-
 
 RELEASED = MoEShape(hidden=1280, experts=64, width=896, top_k=6, shared=2)   # the family's TextConfig defaults
 TINY = MoEShape(hidden=64, experts=8, width=32, top_k=3, shared=2)     # a CPU smoke run: the tiny checkpoint's
