@@ -143,6 +143,16 @@ def test_processor_bitwise_equal_to_transformers_pil(size):
     assert got.pixel_values.shape[0] == DeepseekOCR2Config().image_patches(got.num_crops)
 
 
+def test_the_normalization_check_fires_on_a_formula_that_rounds_differently(monkeypatch):
+    """The float32 shortcut is checked on all 256 bytes at import; (2u - 255) / 255, equal in
+    exact arithmetic, differs on 128 of them in float32, and the check must say so."""
+    from fastdeploy_ext.models.deepseek_ocr2 import processor as proc_mod
+    proc_mod._check_normalize()
+    monkeypatch.setattr(proc_mod, "normalize_", lambda x: x.mul_(2).sub_(255).div_(255))
+    with pytest.raises(RuntimeError, match="rounds differently"):
+        proc_mod._check_normalize()
+
+
 def test_processor_refuses_an_image_above_the_patch_budget():
     from fastdeploy_ext.inputs.images import ImageInputError
     with pytest.raises(ImageInputError, match="input patches"):

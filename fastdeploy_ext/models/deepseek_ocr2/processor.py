@@ -7,7 +7,11 @@
   while the image's area exceeds half the tiles'), the image resized to it (bicubic) and cut in
   raster order.
 - Every view: uint8 -> x / 255 (float64, then float32) -> (x - 0.5) / 0.5, as transformers' PIL
-  processor does, so the pixels are bitwise its own.
+  processor does, so the pixels are bitwise its own. We compute it as ((float32(u) / 255) - 0.5)
+  / 0.5 in float32 after cutting the patches in uint8: the value depends on the byte alone and
+  the two formulas agree on all 256 bytes (``normalize`` says so at import time, where a CPU
+  that rounded otherwise would fail loudly), and moving bytes instead of doubles makes this step
+  ~3x cheaper (a six-crop A4 page: ~40 ms instead of ~140 on one core).
 
 The engine packs images by concatenating their ``pixel_values`` along dim 0, and views of two
 sizes cannot be stacked, so each view is cut into its 16x16 patches (channel-major, raster
@@ -32,6 +36,29 @@ from .config import DeepseekOCR2Config
 
 BACKGROUND = (127, 127, 127)
 RESCALE = 1 / 255
+
+
+def normalize_reference(u: np.ndarray) -> np.ndarray:
+    """transformers' PIL processor on uint8: rescale in float64, cast, normalize in float32."""
+    x = (u.astype(np.float64) * RESCALE).astype(np.float32)
+    return (x - np.float32(0.5)) / np.float32(0.5)
+
+
+def normalize_(x: torch.Tensor) -> torch.Tensor:
+    """In place on float32 bytes-as-floats: ((x / 255) - 0.5) / 0.5, equal to the reference."""
+    return x.div_(255).sub_(0.5).div_(0.5)
+
+
+def _check_normalize() -> None:
+    u = np.arange(256, dtype=np.uint8)
+    ours = normalize_(torch.from_numpy(u).to(torch.float32)).numpy()
+    if not np.array_equal(ours.view(np.uint32), normalize_reference(u).view(np.uint32)):
+        bad = int(np.flatnonzero(ours != normalize_reference(u))[0])
+        raise RuntimeError(f"DeepSeek-OCR-2 pixel normalization: byte {bad} gives {ours[bad]!r}, transformers' "
+                           f"{normalize_reference(u)[bad]!r}; this CPU's float32 division rounds differently")
+
+
+_check_normalize()
 
 
 def num_crops(grid) -> int:
@@ -120,12 +147,20 @@ class DeepseekOCR2ImageProcessor:
 
     def patches(self, view: np.ndarray) -> torch.Tensor:
         """uint8 [S, S, 3] -> float32 [(S/16)^2, 3, 16, 16], normalized to [-1, 1]."""
+        return self.pixel_values([view])
+
+    def pixel_values(self, views: list[np.ndarray]) -> torch.Tensor:
+        """The views' patches, one after another: cut and packed as bytes (a quarter of the
+        float traffic), then cast and normalized once into the float32 result."""
         p = self.cfg.sam.patch_size
-        x = (view.astype(np.float64) * RESCALE).astype(np.float32)
-        x = (x - np.float32(0.5)) / np.float32(0.5)
-        s = x.shape[0] // p
-        t = torch.from_numpy(np.ascontiguousarray(x))
-        return t.view(s, p, s, p, 3).permute(0, 2, 4, 1, 3).reshape(s * s, 3, p, p)
+        sizes = [(v.shape[0] // p) ** 2 for v in views]
+        packed = np.empty((sum(sizes), 3, p, p), dtype=np.uint8)
+        start = 0
+        for v, n in zip(views, sizes):
+            s = v.shape[0] // p
+            packed[start:start + n].reshape(s, s, 3, p, p)[...] = v.reshape(s, p, s, p, 3).transpose(0, 2, 4, 1, 3)
+            start += n
+        return normalize_(torch.from_numpy(packed).to(torch.float32))
 
     def preprocess(self, src, name: str | None = None, *, max_patches: int | None = None) -> ProcessedImage:
         """``max_patches``: refuse an image whose views hold more input patches than that (its
@@ -142,8 +177,7 @@ class DeepseekOCR2ImageProcessor:
 
         img = load_image(src, name, size_check=size_check)
         views, grid = self.views(img)
-        pv = torch.cat([self.patches(v) for v in views]).contiguous()
-        return ProcessedImage(pv, grid, label, (img.height, img.width))
+        return ProcessedImage(self.pixel_values(views), grid, label, (img.height, img.width))
 
     def unpatch(self, pixel_values: torch.Tensor, grid) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One image's patches back to views [3, S, S] (crops, global): what transformers'
