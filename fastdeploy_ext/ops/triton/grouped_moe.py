@@ -66,6 +66,7 @@ def grouped_capacity(assignments: int, num_experts: int, block_m: int) -> int:
 #: row). Not measured yet: bench.moe times both ways per batch size
 ALIGN_KERNEL_MAX_ROWS = 1024
 ALIGN_CHUNK = 128
+ALIGN_FILL = 1024
 
 
 def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -117,19 +118,23 @@ def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
         e_pad *= 2
     launch = {} if _interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
     _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
-                            CHUNK=ALIGN_CHUNK, **launch)
+                            CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, **launch)
     return rows, block_expert
 
 
 if triton is not None:
     # raw functions, decorated on first use in the mode triton was imported in (jit_decorator)
     def _align_rows_kernel(IDS, ROWS, BLOCK_EXPERT, M, CAP, E: tl.constexpr, E_PAD: tl.constexpr,
-                           BM: tl.constexpr, CHUNK: tl.constexpr):
+                           BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
         # one program: count rows per expert, scan the block-padded counts, then place each row
         # at its expert's run start + the rows of that expert before it (row order, as a stable
-        # sort); positions left over are padding (M), and each block's expert is the number of
-        # padded runs ending at or before its start (E past the used part)
+        # sort) over a buffer first filled with the padding value M; each block's expert is the
+        # number of padded runs ending at or before its start (E past the used part). Only the
+        # placement pays for a [CHUNK, E_PAD] one-hot: the fill and the per-block owners are cheap
         ex = tl.arange(0, E_PAD)
+        for p0 in range(0, CAP, FILL):
+            p = p0 + tl.arange(0, FILL)
+            tl.store(ROWS + p, tl.full([FILL], 0, tl.int32) + M, mask=p < CAP)
         counts = tl.zeros([E_PAD], tl.int32)
         for c0 in range(0, M, CHUNK):
             r = c0 + tl.arange(0, CHUNK)
@@ -138,6 +143,8 @@ if triton is not None:
         padded = (counts + (BM - 1)) // BM * BM
         run_end = tl.cumsum(padded, 0)
         run_start = run_end - padded
+        # the fill's stores land before the placement's (other threads may own the same slots)
+        tl.debug_barrier()
         seen = tl.zeros([E_PAD], tl.int32)
         for c0 in range(0, M, CHUNK):
             r = c0 + tl.arange(0, CHUNK)
@@ -148,15 +155,12 @@ if triton is not None:
             dest = tl.sum(hit * (before + (run_start + seen)[None, :]), 1)
             tl.store(ROWS + dest, r, mask=rmask)
             seen += tl.sum(hit, 0)
-        real_end = run_start + counts
-        for p0 in range(0, CAP, CHUNK):
-            p = p0 + tl.arange(0, CHUNK)
-            pmask = p < CAP
-            owner = tl.minimum(tl.sum((run_end[None, :] <= p[:, None]).to(tl.int32), 1), E)
-            own = (ex[None, :] == owner[:, None]).to(tl.int32)
-            pad = p >= tl.sum(own * real_end[None, :], 1)
-            tl.store(ROWS + p, tl.full([CHUNK], 0, tl.int32) + M, mask=pmask & pad)
-            tl.store(BLOCK_EXPERT + p // BM, owner, mask=pmask & (p % BM == 0))
+        # experts past E (E_PAD padding) have no rows: their run_end equals the total, which is
+        # what an owner count must not pass, hence the min with E
+        for b0 in range(0, CAP // BM, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            owner = tl.minimum(tl.sum((run_end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1), E)
+            tl.store(BLOCK_EXPERT + b, owner, mask=b < CAP // BM)
 
     def _expert_tile(ROWS, BLOCK_EXPERT, W, M, N, s_we, BM: tl.constexpr, BN: tl.constexpr):
         # both GEMMs' program: row block pid 0 (its expert, its grouped rows: padding rows hold
