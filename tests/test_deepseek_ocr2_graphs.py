@@ -98,8 +98,8 @@ def test_the_plan_turns_the_dual_path_graphs_on_for_cuda_rows_only():
         p = _plan(row)
         assert p.graphs.value == DEFAULT_VIEW_GRAPH_PATHS, row
         assert p.graphs.reason.startswith(f"on by default on row {row}") and "sdpa_bias" in p.graphs.reason
-        assert "global[1, 2, 4, 8, 16], local[2, 4, 8, 16, 32, 48, 96]" in p.describe()
-        assert p.to_dict()["graphs"]["value"][1] == {"name": "local", "budgets": (2, 4, 8, 16, 32, 48, 96)}
+        assert "global[1, 2, 4, 8, 16], local[2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]" in p.describe()
+        assert p.to_dict()["graphs"]["value"][1] == {"name": "local", "budgets": (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)}
     assert _plan("metax_c500").graphs == Decision((), "off by default on row metax_c500 (opt in: "
                                                       "use_encoder_cudagraph=true)")
     for row in ("cpu", "cpu_amx", "cuda"):

@@ -151,7 +151,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> Group:
                         '[1, 8, 64], "use_encoder_cudagraph": true, "encoder_graph_paths": [{"name": "blocks", '
                         '"min_tokens": 512, "max_tokens": 4096, "max_image_tokens": 2048, "max_segments": 64}]}\'; DeepSeek-OCR-2 '
                         'takes view budgets per path: [{"name": "global", "budgets": [1, 2, 4, 8, 16]}, {"name": '
-                        '"local", "budgets": [2, 4, 8, 16, 32, 48, 96]}]')
+                        '"local", "budgets": [2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]}]')
     return g
 
 
