@@ -49,7 +49,6 @@ class ViewGraphPath:
 # 16 global views and up to 96 crops; each path picks its own budget (vLLM's dual-path graphs). The
 # local budgets hold whole A4 pages (six crops each: 6, 12, 24, 48, 96) as well as powers of two for
 # the two- and four-crop pages of wider images: 1, 2, 4, 8 or 16 A4 pages fill a budget exactly
-# (before, one page padded 6 -> 8 crops and four pages 24 -> 32)
 DEFAULT_VIEW_GRAPH_PATHS = (
     ViewGraphPath("global", (1, 2, 4, 8, 16)),
     ViewGraphPath("local", (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)),
