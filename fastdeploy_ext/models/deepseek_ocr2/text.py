@@ -56,9 +56,8 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k]) of each token."""
-        probs = F.linear(x.float(), self.gate.weight.float()).softmax(-1)     # the loader keeps it fp32
-        w, idx = probs.topk(self.c.num_experts_per_tok, -1)
-        return w * self.c.routed_scaling_factor, idx
+        logits = F.linear(x.float(), self.gate.weight.float())     # the loader keeps it fp32
+        return self.backend.route(logits, self.c.num_experts_per_tok, self.c.routed_scaling_factor)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output, in x's dtype."""
