@@ -26,7 +26,7 @@
 #                ours with its bucket graphs vs transformers, same weights and pixels) and
 #                ci/detector_bf16_check.py (bf16 vs the fp32 reference with its top-k reused: cosine >= 0.999)
 #   deepseek_moe (not in "all")  DeepSeek-OCR-2's MoE grouped GEMM and MHA paged decode: the CUDA tests of
-#                tests/test_triton_moe.py + test_triton_paged_attention.py, then `python3 -m
+#                tests/test_triton_moe.py + test_triton_moe_routing.py + test_triton_paged_attention.py, then `python3 -m
 #                fastdeploy_ext.bench.moe` (bf16, 1/64/128/4096 tokens: ours vs aten_moe vs transformers)
 #   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
 #                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
@@ -123,7 +123,7 @@ if [[ " $steps " == *" deepseek_moe "* ]]; then
   # tests (bf16 at the released shape, fp32, no host sync, graph replay == eager), then the layer
   # bench (ours vs aten_moe vs transformers' loop and grouped_mm, 1/64/128/4096 tokens, bf16)
   timeout ${MOE_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_moe.py \
-    tests/test_triton_paged_attention.py -k "cuda" > "$OUT/deepseek_moe_tests.txt" 2>&1 || rc=1
+    tests/test_triton_moe_routing.py tests/test_triton_paged_attention.py -k "cuda" > "$OUT/deepseek_moe_tests.txt" 2>&1 || rc=1
   tail -3 "$OUT/deepseek_moe_tests.txt"
   timeout ${MOE_BENCH_TIMEOUT:-240} python3 -m fastdeploy_ext.bench.moe --device cuda --dtype bfloat16 \
     --json-out "$OUT/bench_moe.json" ${MOE_BENCH_ARGS:-} > "$OUT/bench_moe.txt" 2>&1 || rc=1
@@ -136,7 +136,7 @@ if [[ " $steps " == *" deepseek_decode "* ]]; then
   timeout ${DSD_TIMEOUT:-240} python3 ci/step_profile.py --device cuda --model-family deepseek_ocr2 \
     ${DSD_ARGS:---batches 64 --tokens 64 --rounds 2 --context 1900 --profile-batch 64 --profile-steps 20} \
     > "$OUT/deepseek_decode.txt" 2>&1 || rc=1
-  grep -E "decode step median|a step|prompt tokens|Traceback|Error" "$OUT/deepseek_decode.txt" | tail -8
+  grep -E "decode step median|a step|prompt tokens|async scheduling|Traceback|Error" "$OUT/deepseek_decode.txt" | tail -8
 fi
 if [[ " $steps " == *" deepseek_graphs "* ]]; then
   timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \

@@ -355,8 +355,9 @@ def main() -> None:
                     help="--prefill: sys.setswitchinterval(S) first (Python's default 0.005): if 'streaming' "
                          "prefill steps are slow from the step loop waiting for the GIL the preprocessing threads "
                          "hold (it releases it at every torch call), a shorter interval shrinks the gap")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                    help="--prefill: off by default so each step's kernels end inside it")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlapped scheduling on or off (default: --prefill off, so each step's kernels end "
+                         "inside it; decode the capability row's default)")
     ap.add_argument("--label", default="")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=200)
@@ -383,8 +384,10 @@ def main() -> None:
     cfg = EngineConfig(**kw, model_family=args.model_family,
                        plan=PlanRequest(device=args.device, dtype="bfloat16" if args.model is None else "auto"),
                        max_num_seqs=max(64, *batches, args.profile_batch), max_model_len=max_len,
-                       gpu_memory_utilization=0.5)
+                       gpu_memory_utilization=0.5, async_scheduling=args.async_scheduling)
     engine = LLMEngine(cfg)
+    print(f"[{args.label}] async scheduling {'on' if engine.async_scheduling.value else 'off'} "
+          f"({engine.async_scheduling.reason})")
     repeats = 0
     if args.context:
         repeats, prompt_tokens = repeats_for(engine, args.context)

@@ -2,17 +2,17 @@
 
 A backend runs ``experts(x [T, H], weights [T, k] fp32, expert_ids [T, k], gate_up [E, 2I, H],
 down [E, H, I]) -> [T, H]``: the SwiGLU experts each token is routed to, weighted by its routing
-weights as given, summed per token; and the greedy softmax router's tail, ``route(logits [T, E]
-fp32, k, scale) -> (weights [T, k] fp32, expert_ids [T, k])``: the k largest softmax
-probabilities, descending, times the scale. The router's GEMM and the shared experts stay in the
-model (DeepSeek-OCR-2's text.py MoE); the plan picks the backend per capability row.
+weights as given, summed per token; and the greedy softmax router, ``route(x [T, H], gate [E, H],
+k, scale) -> (weights [T, k] fp32, expert_ids [T, k])``: the logits in fp32, the k largest softmax
+probabilities, descending, times the scale. The shared experts stay in the model (DeepSeek-OCR-2's
+text.py MoE); the plan picks the backend per capability row.
 
 - ``triton_moe``: the grouped-GEMM kernel (ops/triton/grouped_moe.py): the token x expert rows
   grouped by expert on the device (block-aligned, static shapes, no host sync: capturable in the
   decode graphs), one launch for gate/up with the SiLU product fused, one for down with the
   routing weights applied. Reads only the k experts' weights each token is routed to. Its router
-  tail is one launch too (ops/triton/moe_routing.py: softmax, k rounds of max, the scale) in
-  place of ATen's four to five small kernels. CUDA.
+  is one launch too (ops/triton/moe_routing.py: the fp32 GEMM, softmax, k rounds of max, the
+  scale) in place of ATen's six to seven small kernels at decode sizes. CUDA.
 - ``aten_moe``: eager ATen matmuls, every device (the documented fallback): every expert densely
   for a decode-sized batch (<= DENSE_EXPERT_TOKENS tokens: one einsum over all E experts'
   weights, cheaper there than gathering), otherwise each token's k experts' weights gathered and
@@ -33,17 +33,17 @@ DENSE_EXPERT_TOKENS = 8
 GATHER_CHUNK = 64
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-RouteFn = Callable[[torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
+RouteFn = Callable[[torch.Tensor, torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
 
 
-def aten_route(logits: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    w, idx = logits.softmax(-1).topk(k, -1)
+def aten_route(x: torch.Tensor, gate: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    w, idx = F.linear(x.float(), gate.float()).softmax(-1).topk(k, -1)
     return (w if scale == 1.0 else w * scale), idx       # x * 1.0 == x: no kernel for it
 
 
-def triton_route(logits: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton.moe_routing import softmax_topk
-    return softmax_topk(logits, k, scale)
+def triton_route(x: torch.Tensor, gate: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton.moe_routing import router_topk
+    return router_topk(x, gate, k, scale)
 
 
 def experts_dense(x, w, idx, gate_up, down) -> torch.Tensor:
@@ -97,7 +97,7 @@ class MoEExpertsBackend:
 BUILTIN_MOE_BACKENDS: tuple[MoEExpertsBackend, ...] = (
     MoEExpertsBackend("triton_moe", _triton_available,
                       "Triton grouped GEMMs over the rows grouped by expert on the device (gate/up + SiLU, down "
-                      "+ routing weights; the router's softmax top-k in one launch)", triton_experts, triton_route),
+                      "+ routing weights; the router's GEMM and softmax top-k in one launch)", triton_experts, triton_route),
     MoEExpertsBackend("aten_moe", lambda device: (True, "ATen matmuls: every device"),
                       "dense over every expert for <= 8 tokens, gathered expert weights per chunk otherwise",
                       aten_experts),

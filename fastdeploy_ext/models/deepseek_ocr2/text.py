@@ -56,8 +56,8 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k]) of each token."""
-        logits = F.linear(x.float(), self.gate.weight.float())     # the loader keeps it fp32
-        return self.backend.route(logits, self.c.num_experts_per_tok, self.c.routed_scaling_factor)
+        # logits in fp32 (the loader keeps the gate fp32), as the reference's router
+        return self.backend.route(x, self.gate.weight, self.c.num_experts_per_tok, self.c.routed_scaling_factor)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output, in x's dtype."""
