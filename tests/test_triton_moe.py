@@ -258,6 +258,21 @@ def test_interp_matches_aten_fp32(name):
 
 
 @interp
+def test_interp_the_added_output_goes_into_the_final_sum():
+    """``add`` (the shared experts' output in the model) is summed with the k expert rows: equal
+    to ATen's experts + add, and not the same as without it; a wrong shape is refused."""
+    x, w, idx, gate_up, down = _case(**CASES["unaligned_dims"])
+    add = _x(x.shape[0], x.shape[1], seed=7)
+    blocks = gm.MoEBlocks(16, 16, 16)
+    got = gm.grouped_moe(x, w, idx, gate_up, down, blocks, add=add)
+    assert (got - (aten_experts(x, w, idx, gate_up, down) + add)).abs().max().item() <= 1e-4
+    assert torch.equal(aten_experts(x, w, idx, gate_up, down, add=add), aten_experts(x, w, idx, gate_up, down) + add)
+    assert (got - gm.grouped_moe(x, w, idx, gate_up, down, blocks)).abs().max().item() > 0.05
+    with pytest.raises(ValueError, match="add must be"):
+        gm.grouped_moe(x, w, idx, gate_up, down, blocks, add=add[:, :-1])
+
+
+@interp
 def test_interp_default_tiles_and_larger_row_blocks_agree():
     x, w, idx, gate_up, down = _case(t=12, k=6, e=8, h=32, i=32, seed=4)   # 72 rows over 8 experts
     want = aten_experts(x, w, idx, gate_up, down)
@@ -296,7 +311,8 @@ def test_interp_broken_grouping_or_weights_are_seen(fault, monkeypatch):
 @interp
 def test_interp_the_model_moe_through_the_triton_backend():
     """DeepSeek-OCR-2's MoE layer (router, routed experts, shared experts) gives the same output
-    with the plan's triton_moe as with aten_moe (prefill- and decode-sized batches)."""
+    with the plan's triton_moe as with aten_moe (prefill- and decode-sized batches), eager and
+    through the fused decoder pass."""
     from fastdeploy_ext.models.deepseek_ocr2 import text
     from fastdeploy_ext.models.deepseek_ocr2.config import TextConfig
     c = TextConfig(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
@@ -307,14 +323,19 @@ def test_interp_the_model_moe_through_the_triton_backend():
         for p in moe.parameters():
             p.normal_(0, 0.3)
     triton_moe = next(b for b in BUILTIN_MOE_BACKENDS if b.name == "triton_moe")
+    moe.pack()
     for t in (2, 20):
         x = _x(t, 32, seed=t)
         with torch.inference_mode():
             want = moe(x)
             moe.backend = triton_moe
             got = moe(x)
+            # the fused pass: the shared experts' output summed into the routed experts' combine
+            fused = moe.forward_fused(x)
             moe.backend = text.ATEN_MOE
+            fused_aten = moe.forward_fused(x)
         assert (got - want).abs().max().item() <= 1e-4
+        assert (fused - want).abs().max().item() <= 1e-4 and (fused_aten - want).abs().max().item() <= 1e-5
 
 
 @interp
@@ -347,15 +368,16 @@ RELEASED = dict(e=64, h=1280, i=896, k=6)
 
 
 @cuda
-@pytest.mark.parametrize("t", [1, 64, 4096])
-def test_cuda_bf16_released_shape_matches_fp32_aten(t):
+@pytest.mark.parametrize("t,with_add", [(1, False), (64, False), (64, True), (4096, False)])
+def test_cuda_bf16_released_shape_matches_fp32_aten(t, with_add):
     e, h, i, k = RELEASED["e"], RELEASED["h"], RELEASED["i"], RELEASED["k"]
     dev = torch.device("cuda")
     gate_up, down = _experts(e, h, i, torch.bfloat16, dev)
     x = _x(t, h, torch.bfloat16, dev)
     w, idx = _routing(t, k, e, device=dev)
-    got = gm.grouped_moe(x, w, idx, gate_up, down)
-    want = aten_experts(x.float(), w, idx, gate_up.float(), down.float())
+    add = _x(t, h, torch.bfloat16, dev, seed=5) * 0.05 if with_add else None
+    got = gm.grouped_moe(x, w, idx, gate_up, down, add=add)
+    want = aten_experts(x.float(), w, idx, gate_up.float(), down.float(), add=None if add is None else add.float())
     assert got.dtype == torch.bfloat16
     err = (got.float() - want).abs().max().item()
     assert err <= 2e-2 * want.abs().max().item(), err

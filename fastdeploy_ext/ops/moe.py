@@ -1,8 +1,9 @@
 """Backends of a mixture of experts' routed expert GEMMs (kind ``moe_experts``).
 
 A backend runs ``experts(x [T, H], weights [T, k] fp32, expert_ids [T, k], gate_up [E, 2I, H],
-down [E, H, I]) -> [T, H]``: the SwiGLU experts each token is routed to, weighted by its routing
-weights as given, summed per token; and the greedy softmax router, ``route(x [T, H], gate [E, H],
+down [E, H, I], add=None) -> [T, H]``: the SwiGLU experts each token is routed to, weighted by
+its routing weights as given, summed per token, plus ``add`` (the shared experts' output) where
+given; and the greedy softmax router, ``route(x [T, H], gate [E, H],
 k, scale) -> (weights [T, k] fp32, expert_ids [T, k])``: the logits in fp32, the k largest softmax
 probabilities, descending, times the scale. The shared experts stay in the model (DeepSeek-OCR-2's
 text.py MoE); the plan picks the backend per capability row.
@@ -32,7 +33,7 @@ DENSE_EXPERT_TOKENS = 8
 #: tokens per chunk of the gathered path ([chunk * k, 2I, H] weights live at once)
 GATHER_CHUNK = 64
 
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertsFn = Callable[..., torch.Tensor]     # (x, weights, expert_ids, gate_up, down, add=None)
 RouteFn = Callable[[torch.Tensor, torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -69,15 +70,15 @@ def experts_gathered(x, w, idx, gate_up, down) -> torch.Tensor:
     return torch.cat(out)
 
 
-def aten_experts(x, w, idx, gate_up, down) -> torch.Tensor:
-    if x.shape[0] <= DENSE_EXPERT_TOKENS:
-        return experts_dense(x, w, idx, gate_up, down)
-    return experts_gathered(x, w, idx, gate_up, down)
+def aten_experts(x, w, idx, gate_up, down, add=None) -> torch.Tensor:
+    run = experts_dense if x.shape[0] <= DENSE_EXPERT_TOKENS else experts_gathered
+    out = run(x, w, idx, gate_up, down).to(x.dtype)
+    return out if add is None else out + add
 
 
-def triton_experts(x, w, idx, gate_up, down) -> torch.Tensor:
+def triton_experts(x, w, idx, gate_up, down, add=None) -> torch.Tensor:
     from .triton.grouped_moe import grouped_moe
-    return grouped_moe(x, w, idx, gate_up, down)
+    return grouped_moe(x, w, idx, gate_up, down, add=add)
 
 
 def _triton_available(device: torch.device) -> tuple[bool, str]:

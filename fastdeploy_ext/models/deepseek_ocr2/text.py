@@ -71,7 +71,10 @@ class MoE(nn.Module):
         self.shared_experts.pack()
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.routed(x) + self.shared_experts.forward_fused(x)
+        """The shared experts' output goes into the routed experts' final sum (the Triton
+        backend adds it there in fp32: no separate add launch on the step)."""
+        w, idx = self.route(x)
+        return self.backend.experts(x, w, idx, self.gate_up, self.down, add=self.shared_experts.forward_fused(x))
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,8 @@ Then two grouped GEMMs, each program one (row block, column block) of one expert
 - gate/up: h = silu(x @ gate_e^T) * (x @ up_e^T) with both halves of the stacked [E, 2I, H]
   weight read by the same program (the SiLU product is fused, h is written once, [M, I]);
 - down: y = (h @ down_e^T) * routing weight of the row, [M, H]; the k rows of a token are then
-  summed (a [T, k, H] sum: deterministic, no atomics).
+  summed by a third small launch (deterministic, no atomics), in fp32 with the optional ``add``
+  (the shared experts' output: one rounding, and no separate add kernel on the decode step).
 
 fp32 inputs use exact fp32 dots ("ieee"); fp16/bf16 dots accumulate in fp32 and h is rounded to
 the input dtype between the two GEMMs (as the ATen path rounds it). Tested against the ATen path
@@ -215,7 +216,25 @@ if triton is not None:
                  mask=rmask[:, None] & nmask[None, :])
 
 
-_KERNELS = KernelTable(lambda: {"align": _align_rows_kernel, "gate_up": _gate_up_kernel, "down": _down_kernel},
+    def _combine_kernel(Y, ADD, OUT, N, s_yt, s_at, s_ot, K: tl.constexpr, BN: tl.constexpr,
+                        HAS_ADD: tl.constexpr):
+        # out[t] = sum_j y[t * K + j] (+ add[t]): fp32 in registers, rounded once
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        acc = tl.zeros([BN], tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(Y + (t * K + j) * s_yt + n, mask=nmask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(ADD + t * s_at + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(OUT + t * s_ot + n, acc.to(OUT.dtype.element_ty), mask=nmask)
+
+
+#: output columns per program of the combine launch
+COMBINE_BN = 256
+
+_KERNELS = KernelTable(lambda: {"align": _align_rows_kernel, "gate_up": _gate_up_kernel, "down": _down_kernel,
+                                "combine": _combine_kernel},
                        helpers=lambda: {"_expert_tile": _expert_tile})
 
 
@@ -246,15 +265,18 @@ def _check(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gat
 
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, blocks: MoEBlocks | None = None) -> torch.Tensor:
+                down: torch.Tensor, blocks: MoEBlocks | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' output [T, H] (x's dtype): sum over j of weights[t, j] *
-    down_e(silu(gate_e x_t) * up_e x_t) for e = expert_ids[t, j]. ``gate_up`` [E, 2I, H] (gate
-    rows first), ``down`` [E, H, I]; ``weights`` are applied as given (fp32 is kept)."""
+    down_e(silu(gate_e x_t) * up_e x_t) for e = expert_ids[t, j], plus ``add`` [T, H] where
+    given (summed in fp32). ``gate_up`` [E, 2I, H] (gate rows first), ``down`` [E, H, I];
+    ``weights`` are applied as given (fp32 is kept)."""
     t, h, e, i = _check(x, weights, expert_ids, gate_up, down)
+    if add is not None and (tuple(add.shape) != (t, h) or add.stride(-1) != 1):
+        raise ValueError(f"add must be [T={t}, H={h}] with a unit last stride, got {list(add.shape)} {add.stride()}")
     k = expert_ids.shape[1]
     m = t * k
     if m == 0:
-        return x.new_zeros(t, h)
+        return x.new_zeros(t, h) if add is None else add.to(x.dtype, copy=True)
     cfg = blocks or pick_blocks(m, e)
     rows, block_expert = align_by_expert(expert_ids, e, cfg.block_m)
     nblocks = block_expert.numel()
@@ -271,7 +293,11 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
         hbuf, down, rows, block_expert, rw, y, m, i, h, e,
         hbuf.stride(0), down.stride(0), down.stride(1), down.stride(2), y.stride(0),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, DOT_PREC=prec, **launch)
-    return y.view(t, k, h).sum(1)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _KERNELS["combine"][(t, triton.cdiv(h, COMBINE_BN))](
+        y, y if add is None else add, out, h, y.stride(0), 0 if add is None else add.stride(0), out.stride(0),
+        K=k, BN=COMBINE_BN, HAS_ADD=add is not None)
+    return out
 
 
 def _interpreted() -> bool:
