@@ -91,6 +91,22 @@ def test_interp_decode_fixed_graph_grid_and_one_partition_agree():
 
 
 @interp
+def test_interp_paged_decode_bench_runs_every_column_against_sdpa(tmp_path, monkeypatch, capsys):
+    """The tiles sweep bench (CPU smoke run, tiny shape, fp32): the SDPA reference, the default
+    tiles and the extra ones, each matching SDPA, into its JSON."""
+    import json
+    from fastdeploy_ext.bench import paged_decode as bench
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench.main(["--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "70",
+                       "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--block-size", "16",
+                       "--tiles", "32,4,3;64,8,2", "--warmup", "0", "--iters", "1"]) == 0
+    rows = json.loads((tmp_path / "paged_decode.json").read_text())["rows"]
+    assert [r["column"] for r in rows] == ["sdpa", "ours 256,4,3 (default)", "ours 32,4,3", "ours 64,8,2"]
+    assert all(r["max_diff"] <= 1e-5 for r in rows[1:])
+    assert "sdpa/ours" in capsys.readouterr().out
+
+
+@interp
 @pytest.mark.parametrize("hq,hkv,d,dtype,tol", [(16, 2, 128, torch.float32, 1e-5),     # the released shapes
                                                (4, 2, 32, torch.float16, 3e-3)])    # half precision (small: interpreter time)
 def test_interp_prefill_matches_sdpa(hq, hkv, d, dtype, tol):

@@ -19,6 +19,8 @@ SDPA in the Triton interpreter on the CPU (tests/test_triton_paged_attention.py)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .runtime import KernelTable, tl, triton
@@ -26,6 +28,18 @@ from .runtime import KernelTable, tl, triton
 _LOG2E = 1.4426950408889634
 DEFAULT_PART_TOKENS = 256
 PREFILL_BLOCK_M = 64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One decode launch's shape: context tokens per partition (program), warps and pipeline
+    stages of the partial kernel. Timed side by side by ``python3 -m fastdeploy_ext.bench.paged_decode``."""
+    part_tokens: int = DEFAULT_PART_TOKENS
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_DECODE_TILES = DecodeTiles()
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -171,12 +185,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tup
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, *, max_context_len: int,
-                 part_tokens: int = DEFAULT_PART_TOKENS) -> torch.Tensor:
+                 part_tokens: int | None = None, tiles: DecodeTiles = DEFAULT_DECODE_TILES) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence) -> [B, Hq, D]. ``max_context_len`` (a host int,
-    fixed for graphs) bounds every context length and sets the partition count."""
+    fixed for graphs) bounds every context length and sets the partition count; ``part_tokens``
+    (if given) overrides the tiles' partition size."""
     bs, hkv, d = _check(q, k_cache, v_cache)
     b, hq = q.shape[0], q.shape[1]
     group = hq // hkv
+    part_tokens = tiles.part_tokens if part_tokens is None else part_tokens
+    launch = {} if _interpreted() else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     part_blocks = max(1, part_tokens // bs)
     part_tokens = part_blocks * bs
     nparts = max(1, -(-max_context_len // part_tokens))
@@ -190,7 +207,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
-        GROUP=group, GROUP_PAD=_pow2(group), D=d, D_PAD=_pow2(d), BS=bs, PART_BLOCKS=part_blocks, DOT_PREC=prec)
+        GROUP=group, GROUP_PAD=_pow2(group), D=d, D_PAD=_pow2(d), BS=bs, PART_BLOCKS=part_blocks, DOT_PREC=prec,
+        **launch)
     _KERNELS["reduce"][(b, hq)](
         op, mp, lp, context_lens, out, op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
         out.stride(0), out.stride(1), PART_TOKENS=part_tokens, P_PAD=_pow2(nparts, 2), D=d, D_PAD=_pow2(d))
@@ -215,4 +233,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-__all__ = ["paged_decode", "paged_prefill", "DEFAULT_PART_TOKENS"]
+__all__ = ["DEFAULT_DECODE_TILES", "DEFAULT_PART_TOKENS", "DecodeTiles", "paged_decode", "paged_prefill"]
+
+
+def _interpreted() -> bool:
+    from .runtime import TRITON_INTERPRETED
+    return bool(TRITON_INTERPRETED)
