@@ -16,7 +16,8 @@ Each column times the whole layer (router, routed experts, shared experts) eager
 ``aten_moe`` are also timed as one CUDA graph replay (the decode step runs in graphs; the
 transformers loop cannot be captured). Ratios are the other's time over ours (> 1: ours faster).
 Before timing, every column's output is compared with ours (cosine). Where the device has graphs the grouping of
-rows by expert is also timed alone (graphed), torch ops vs the one-program kernel. Times are
+rows by expert is also timed alone (graphed), torch ops vs the one-program kernel, and the router
+alone three ways (ATen; ATen's GEMM + the Triton tail; the Triton launch with the GEMM fused). Times are
 medians of CUDA event timings (the device API's timer). Nothing here asserts a time.
 """
 from __future__ import annotations
@@ -101,6 +102,19 @@ def _grouping_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
             for name, kernel in (("torch", False), ("kernel", True))}
 
 
+def _router_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
+    """The router alone, graphed, three ways: ATen (fp32 GEMM, softmax, topk), ATen's GEMM + the
+    Triton softmax top-k tail, and the Triton launch with the GEMM fused (router_topk's
+    FUSED_ROUTER_MAX_TOKENS is set by these)."""
+    from ..ops.moe import aten_route
+    from ..ops.triton.moe_routing import router_topk
+    gate, k, scale = moe.gate.weight, moe.c.num_experts_per_tok, moe.c.routed_scaling_factor
+    ways = {"aten": lambda: aten_route(x, gate, k, scale),
+            "tail": lambda: router_topk(x, gate, k, scale, fused=False),
+            "fused": lambda: router_topk(x, gate, k, scale, fused=True)}
+    return {f"route_{name}_graph": median_ms(_graphed(fn, api), warmup, iters, api) for name, fn in ways.items()}
+
+
 def _config_times(moe, x, configs, warmup: int, iters: int, api) -> dict[str, float]:
     """The routed experts alone (grouped_moe on the layer's routing, graphed), with the tile
     table's pick and with each of ``configs`` (MoEBlocks): a sweep to tune pick_blocks by."""
@@ -167,6 +181,7 @@ def run(shape: MoEShape, tokens, dtype: torch.dtype, device: torch.device, *, wa
                         cols[f"{name}_graph"] = median_ms(_graphed(fns[name], api), warmup, iters, api)
                 if triton_ok:
                     cols.update(_grouping_times(ours, x, warmup, iters, api))
+                    cols.update(_router_times(ours, x, warmup, iters, api))
                     if configs:
                         cols.update(_config_times(ours, x, configs, warmup, iters, api))
         decoder.moe_experts = backends["aten_moe"]
@@ -196,6 +211,11 @@ def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: t
         print("grouping rows by expert alone (graphed, ms): torch ops vs the one-program kernel")
         for r in rows:
             print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
+    if any("route_aten_graph" in r for r in rows):
+        print("router alone (graphed, ms): ATen GEMM + softmax + topk | ATen GEMM + Triton tail | Triton with the GEMM fused")
+        for r in rows:
+            print(f"{r['tokens']:>6} aten {_fmt(r.get('route_aten_graph'))} tail {_fmt(r.get('route_tail_graph'))} "
+                  f"fused {_fmt(r.get('route_fused_graph'))}")
     if any(k.startswith("routed_") for r in rows for k in r):
         print("routed experts alone (graphed, ms), by tiles BMxBNxBKxWxS (_picked: pick_blocks' choice)")
         for r in rows:

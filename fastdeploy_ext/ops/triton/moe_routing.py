@@ -9,9 +9,9 @@ fp32 from x and the gate (FMA, no tensor cores: fp32 throughout, as ATen's), sof
 largest picked by k rounds of max + first-index-of + knock-out; no sort, nothing read back to the
 host (capturable in the decode graphs).
 
-Past FUSED_ROUTER_MAX_TOKENS tokens (prefill) every program re-reading the whole gate costs more
-than it saves: the logits come from ATen's GEMM and the kernel runs the softmax top-k tail only
-(the same kernel, FROM_X off).
+Past FUSED_ROUTER_MAX_TOKENS tokens every program re-reading the whole gate costs more than it
+saves: the logits come from ATen's GEMM and the kernel runs the softmax top-k tail only (the same
+kernel, FROM_X off). ``python3 -m fastdeploy_ext.bench.moe`` times the router three ways.
 
 The GEMM's summation order is not cuBLAS's and the softmax's exp is libdevice's (accurate expf,
 as ATen's) over a tree sum: logits and probabilities may differ from ATen's by a few ulps of fp32
@@ -27,11 +27,14 @@ from .runtime import KernelTable, tl, triton
 
 #: tokens per program of the softmax top-k tail alone (a [BT, E_PAD] tile of logits)
 ROUTE_TOKENS = 16
-#: tokens per program with the GEMM fused (a [BT, E_PAD, BK] product tile in registers)
+#: tokens per program with the GEMM fused (each [E_PAD, BK] gate slice serves them all)
 FUSED_ROUTE_TOKENS = 4
-FUSED_ROUTE_BK = 32
-#: at most this many tokens take the fused GEMM; more take ATen's GEMM + the tail kernel
-FUSED_ROUTER_MAX_TOKENS = 512
+FUSED_ROUTE_BK = 64
+#: at most this many tokens take the fused GEMM by default; more take ATen's GEMM + the tail
+#: kernel. 0 until bench.moe's router columns show the fused launch ahead on a GPU: a first
+#: version (a [4, 64, 32] product tile reduced on its last axis) took 89 us a call on the H200
+#: at 64 tokens, against ~10 us for ATen's GEMM + the tail
+FUSED_ROUTER_MAX_TOKENS = 0
 
 
 if triton is not None:
@@ -47,16 +50,20 @@ if triton is not None:
         cmask = cols < E
         valid = rmask[:, None] & cmask[None, :]
         if FROM_X:
-            # logits[t, e] = sum_h x[t, h] * g[e, h] in fp32, BK columns of h at a time
+            # logits[t, e] = sum_h x[t, h] * g[e, h] in fp32: each [E_PAD, BK] slice of the gate is
+            # read once per program and used for its BT tokens (2D products, row by row)
             acc = tl.zeros([BT, E_PAD], dtype=tl.float32)
+            slot = tl.arange(0, BT)
             for h0 in range(0, H, BK):
                 hk = h0 + tl.arange(0, BK)
                 hmask = hk < H
-                xs = tl.load(X + rows[:, None] * s_xt + hk[None, :], mask=rmask[:, None] & hmask[None, :],
-                             other=0.0).to(tl.float32)
                 gs = tl.load(G + cols[:, None] * s_ge + hk[None, :], mask=cmask[:, None] & hmask[None, :],
                              other=0.0).to(tl.float32)
-                acc += tl.sum(xs[:, None, :] * gs[None, :, :], 2)
+                for r in tl.static_range(BT):
+                    row = tl.program_id(0) * BT + r
+                    xr = tl.load(X + row * s_xt + hk, mask=hmask & (row < T), other=0.0).to(tl.float32)
+                    part = tl.sum(gs * xr[None, :], 1)
+                    acc = tl.where(slot[:, None] == r, acc + part[None, :], acc)
             logit = tl.where(valid, acc, float("-inf"))
         else:
             logit = tl.load(LOGITS + rows[:, None] * s_lt + cols[None, :], mask=valid, other=float("-inf"))
@@ -119,17 +126,18 @@ def softmax_topk(logits: torch.Tensor, k: int, scale: float = 1.0) -> tuple[torc
     return w, ids
 
 
-def router_topk(x: torch.Tensor, gate: torch.Tensor, k: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole router: ``softmax_topk(F.linear(x.float(), gate.float()), k, scale)``, in one
-    launch up to FUSED_ROUTER_MAX_TOKENS tokens. ``x`` [T, H], ``gate`` [E, H], any float dtypes
-    (upcast to fp32 in registers), unit last strides."""
+def router_topk(x: torch.Tensor, gate: torch.Tensor, k: int, scale: float = 1.0,
+                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router: ``softmax_topk(F.linear(x.float(), gate.float()), k, scale)``; with the
+    GEMM in the same launch where ``fused`` (None: up to FUSED_ROUTER_MAX_TOKENS tokens). ``x``
+    [T, H], ``gate`` [E, H], any float dtypes (upcast to fp32 in registers), unit last strides."""
     if x.dim() != 2 or gate.dim() != 2 or x.shape[1] != gate.shape[1]:
         raise ValueError(f"x [T, H] and gate [E, H] must share H, got {tuple(x.shape)} and {tuple(gate.shape)}")
     if not (x.is_floating_point() and gate.is_floating_point()) or x.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError(f"x and gate must be floating point with unit last strides, got {x.dtype} "
                          f"{x.stride()} and {gate.dtype} {gate.stride()}")
     t, e = x.shape[0], gate.shape[0]
-    if t > FUSED_ROUTER_MAX_TOKENS:
+    if not (t <= FUSED_ROUTER_MAX_TOKENS if fused is None else fused):
         return softmax_topk(F.linear(x.float(), gate.float()), k, scale)
     w, ids = _outputs(t, k, e, x.device)
     _launch(t, e, k, scale, w, ids, x=x, gate=gate)
