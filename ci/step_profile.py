@@ -224,6 +224,43 @@ def device_times(prof, steps) -> None:
         st["device"] = interval_union_s(inside) / 1e6
 
 
+GAP_BUCKETS_US = (2, 5, 20, 100, 1000)
+
+
+def device_gaps(prof, steps: int, label: str) -> None:
+    """Where the device idled over the profiled steps: the union of its kernel and copy intervals
+    against the window from the first to the last, and the idle gaps by length. Short gaps
+    (< 5 us) are launch gaps between kernels (inside a graph too); long ones are the device
+    waiting for the host (scheduling, batch building, a sync)."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type != DeviceType.CPU and e.time_range.end > e.time_range.start)
+    if not spans:
+        print(f"[{label}] device gaps: no device events captured")
+        return
+    busy, gaps = 0.0, []
+    start, end, last_name = spans[0]
+    for a, b, name in spans[1:]:
+        if a > end:
+            busy += end - start
+            gaps.append((a - end, last_name, name))
+            start, end = a, b
+        if b >= end:
+            end, last_name = b, name
+    busy += end - start
+    window = end - spans[0][0]          # `end` is the last interval's: the latest end of all
+    print(f"[{label}] device timeline over {steps} steps: window {window / steps / 1e3:.3f} ms a step, busy "
+          f"{busy / steps / 1e3:.3f} ms a step ({100 * busy / window:.1f} %), idle {(window - busy) / steps / 1e3:.3f} ms "
+          f"a step in {len(gaps) / steps:.1f} gaps")
+    edges = (0,) + GAP_BUCKETS_US + (float("inf"),)
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [g for g, *_ in gaps if lo <= g < hi]
+        print(f"[{label}]   gaps {lo:>5}-{hi:<5} us: {len(sel) / steps:7.1f} a step, {sum(sel) / steps:8.1f} us a step")
+    print(f"[{label}]   the longest gaps (us, kernel before -> kernel after):")
+    for g, before, after in sorted(gaps, reverse=True)[:10]:
+        print(f"[{label}]     {g:8.1f}  {before[:50]} -> {after[:50]}")
+
+
 def report_prefill(label: str, workload: str, mode: str, steps) -> None:
     med = statistics.median
     pre = [s for s in steps if s["kind"] == "prefill"]
@@ -443,6 +480,7 @@ def main() -> None:
     for key, calls, cpu, dev in sorted(rows, key=lambda r: -r[3])[:25]:
         if dev > 0:
             print(f"[{args.label}]   {key[:70]:70s} {calls:6.1f} {dev:9.1f}")
+    device_gaps(prof, n, args.label)
     if args.cprofile:
         import cProfile
         import pstats
