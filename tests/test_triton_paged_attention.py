@@ -38,12 +38,13 @@ def _setup(hq, hkv, d, bs, lens, dtype, device="cpu", num_blocks=40, seed=0):
 
 
 def _decode_case(hq, hkv, d, dtype, device="cpu", part_tokens=32, graph_max=None):
-    from fastdeploy_ext.ops.triton.paged_attention import paged_decode
+    from fastdeploy_ext.ops.triton.paged_attention import DecodeTiles, paged_decode
     bs, lens = 16, [1, 37, 70, 16]
     kc, vc, tables, ctx = _setup(hq, hkv, d, bs, lens, dtype, device)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     scale = d ** -0.5
-    got = paged_decode(q, kc, vc, tables, ctx, scale, max_context_len=graph_max or max(lens), part_tokens=part_tokens)
+    got = paged_decode(q, kc, vc, tables, ctx, scale, max_context_len=graph_max or max(lens),
+                       tiles=DecodeTiles(part_tokens=part_tokens))
     meta = PagedStepMeta(False, torch.zeros(0), tables, ctx, [1] * len(lens), [n - 1 for n in lens], bs,
                          max_context_len=max(lens))
     want = sdpa_decode(q.float(), kc.float(), vc.float(), meta, scale)

@@ -103,15 +103,13 @@ def _grouping_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
 
 
 def _router_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
-    """The router alone, graphed, three ways: ATen (fp32 GEMM, softmax, topk), ATen's GEMM + the
-    Triton softmax top-k tail, and the Triton launch with the GEMM fused (router_topk's
-    FUSED_ROUTER_MAX_TOKENS is set by these)."""
+    """The router alone, graphed, two ways: ATen (fp32 GEMM, softmax, topk), and ATen's GEMM +
+    the Triton softmax top-k tail (router_topk)."""
     from ..ops.moe import aten_route
     from ..ops.triton.moe_routing import router_topk
     gate, k, scale = moe.gate.weight, moe.c.num_experts_per_tok, moe.c.routed_scaling_factor
     ways = {"aten": lambda: aten_route(x, gate, k, scale),
-            "tail": lambda: router_topk(x, gate, k, scale, fused=False),
-            "fused": lambda: router_topk(x, gate, k, scale, fused=True)}
+            "tail": lambda: router_topk(x, gate, k, scale)}
     return {f"route_{name}_graph": median_ms(_graphed(fn, api), warmup, iters, api) for name, fn in ways.items()}
 
 
@@ -212,10 +210,9 @@ def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: t
         for r in rows:
             print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
     if any("route_aten_graph" in r for r in rows):
-        print("router alone (graphed, ms): ATen GEMM + softmax + topk | ATen GEMM + Triton tail | Triton with the GEMM fused")
+        print("router alone (graphed, ms): ATen GEMM + softmax + topk | ATen GEMM + Triton tail")
         for r in rows:
-            print(f"{r['tokens']:>6} aten {_fmt(r.get('route_aten_graph'))} tail {_fmt(r.get('route_tail_graph'))} "
-                  f"fused {_fmt(r.get('route_fused_graph'))}")
+            print(f"{r['tokens']:>6} aten {_fmt(r.get('route_aten_graph'))} tail {_fmt(r.get('route_tail_graph'))}")
     if any(k.startswith("routed_") for r in rows for k in r):
         print("routed experts alone (graphed, ms), by tiles BMxBNxBKxWxS (_picked: pick_blocks' choice)")
         for r in rows:

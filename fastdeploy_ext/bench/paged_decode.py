@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..device_api import device_api_for
 from ..ops.triton.paged_attention import DEFAULT_DECODE_TILES, DecodeTiles, paged_decode
+from ..ops.triton.runtime import interpreted
 from .timing import call_times_ms
 
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-context must be >= --context")
     from ..ops.triton.runtime import available_on
     ok, why = available_on(torch.device(a.device))
-    if not ok and not (a.device == "cpu" and _interpreted()):
+    if not ok and not (a.device == "cpu" and interpreted()):
         raise SystemExit(f"paged_decode bench: the Triton kernel cannot run on {a.device}: {why}")
     result = run(a)
     out = os.environ.get("OUT")
@@ -126,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
     return 0
 
-
-def _interpreted() -> bool:
-    from ..ops.triton.runtime import TRITON_INTERPRETED
-    return bool(TRITON_INTERPRETED)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output, in x's dtype."""
         w, idx = self.route(x)
-        return self.backend.experts(x, w, idx, self.gate_up, self.down).to(x.dtype)
+        return self.backend.experts(x, w, idx, self.gate_up, self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + self.shared_experts(x)

@@ -18,14 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import KernelTable, tl, triton, usable_on
-
-
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
+from .runtime import KernelTable, pow2, tl, triton, usable_on
 
 
 if triton is not None:
@@ -105,7 +98,7 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: tor
     _KERNELS["add_rms_norm"][(n,)](
         residual if delta is None else delta, residual, weight, y, eps,
         0 if delta is None else delta.stride(0), residual.stride(0), y.stride(0),
-        N=h, BLOCK=_pow2(h), HAS_DELTA=delta is not None)
+        N=h, BLOCK=pow2(h), HAS_DELTA=delta is not None)
     return y
 
 
@@ -122,8 +115,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     _KERNELS["rope_cache"][(t,)](
         qkv, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        HQ=num_heads, HKV=num_kv_heads, HQ_PAD=_pow2(num_heads), HKV_PAD=_pow2(num_kv_heads), D=head_dim,
-        HALF=half, HALF_PAD=_pow2(half))
+        HQ=num_heads, HKV=num_kv_heads, HQ_PAD=pow2(num_heads), HKV_PAD=pow2(num_kv_heads), D=head_dim,
+        HALF=half, HALF_PAD=pow2(half))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -131,6 +124,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     i = two_i // 2
     y = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(i))
+    block = min(1024, pow2(i))
     _KERNELS["silu_mul"][(t, -(-i // block))](gate_up, y, gate_up.stride(0), y.stride(0), I=i, BLOCK=block)
     return y

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import KernelTable, tl, triton
+from .runtime import KernelTable, interpreted, pow2, tl, triton
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,8 @@ def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     cap = grouped_capacity(m, num_experts, block_m)
     rows = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-    e_pad = 16
-    while e_pad < num_experts:
-        e_pad *= 2
-    launch = {} if _interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
+    e_pad = pow2(num_experts, 16)
+    launch = {} if interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
     _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
                             CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, **launch)
     return rows, block_expert
@@ -281,7 +279,7 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     rows, block_expert = align_by_expert(expert_ids, e, cfg.block_m)
     nblocks = block_expert.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = {} if _interpreted() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    launch = {} if interpreted() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     hbuf = torch.empty(m, i, dtype=x.dtype, device=x.device)
     _KERNELS["gate_up"][(nblocks, triton.cdiv(i, cfg.block_n))](
         x, gate_up, rows, block_expert, hbuf, m, h, i, e, k,
@@ -299,10 +297,6 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
         K=k, BN=COMBINE_BN, HAS_ADD=add is not None)
     return out
 
-
-def _interpreted() -> bool:
-    from .runtime import TRITON_INTERPRETED
-    return bool(TRITON_INTERPRETED)
 
 
 __all__ = ["ALIGN_KERNEL_MAX_ROWS", "MoEBlocks", "align_by_expert", "grouped_capacity", "grouped_moe", "pick_blocks"]

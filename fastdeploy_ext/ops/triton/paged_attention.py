@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import KernelTable, tl, triton
+from .runtime import KernelTable, interpreted, pow2, tl, triton
 
 _LOG2E = 1.4426950408889634
 DEFAULT_PART_TOKENS = 256
@@ -40,13 +40,6 @@ class DecodeTiles:
 
 
 DEFAULT_DECODE_TILES = DecodeTiles()
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    p = lo
-    while p < n:
-        p *= 2
-    return p
 
 
 if triton is not None:
@@ -185,16 +178,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tup
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, *, max_context_len: int,
-                 part_tokens: int | None = None, tiles: DecodeTiles = DEFAULT_DECODE_TILES) -> torch.Tensor:
+                 tiles: DecodeTiles = DEFAULT_DECODE_TILES) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence) -> [B, Hq, D]. ``max_context_len`` (a host int,
-    fixed for graphs) bounds every context length and sets the partition count; ``part_tokens``
-    (if given) overrides the tiles' partition size."""
+    fixed for graphs) bounds every context length and, with ``tiles.part_tokens``, sets the
+    partition count."""
     bs, hkv, d = _check(q, k_cache, v_cache)
     b, hq = q.shape[0], q.shape[1]
     group = hq // hkv
-    part_tokens = tiles.part_tokens if part_tokens is None else part_tokens
-    launch = {} if _interpreted() else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    part_blocks = max(1, part_tokens // bs)
+    launch = {} if interpreted() else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    part_blocks = max(1, tiles.part_tokens // bs)
     part_tokens = part_blocks * bs
     nparts = max(1, -(-max_context_len // part_tokens))
     op = torch.empty(b, hq, nparts, d, dtype=torch.float32, device=q.device)
@@ -207,11 +199,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
-        GROUP=group, GROUP_PAD=_pow2(group), D=d, D_PAD=_pow2(d), BS=bs, PART_BLOCKS=part_blocks, DOT_PREC=prec,
+        GROUP=group, GROUP_PAD=pow2(group, 16), D=d, D_PAD=pow2(d, 16), BS=bs, PART_BLOCKS=part_blocks, DOT_PREC=prec,
         **launch)
     _KERNELS["reduce"][(b, hq)](
         op, mp, lp, context_lens, out, op.stride(0), op.stride(1), op.stride(2), mp.stride(0), mp.stride(1),
-        out.stride(0), out.stride(1), PART_TOKENS=part_tokens, P_PAD=_pow2(nparts, 2), D=d, D_PAD=_pow2(d))
+        out.stride(0), out.stride(1), PART_TOKENS=part_tokens, P_PAD=pow2(nparts, 2), D=d, D_PAD=pow2(d, 16))
     return out
 
 
@@ -229,13 +221,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_tables, cu_query, context_lens, out, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, D_PAD=_pow2(d), BS=bs, BLOCK_M=block_m, DOT_PREC=prec)
+        GROUP=hq // hkv, D=d, D_PAD=pow2(d, 16), BS=bs, BLOCK_M=block_m, DOT_PREC=prec)
     return out
 
 
 __all__ = ["DEFAULT_DECODE_TILES", "DEFAULT_PART_TOKENS", "DecodeTiles", "paged_decode", "paged_prefill"]
 
-
-def _interpreted() -> bool:
-    from .runtime import TRITON_INTERPRETED
-    return bool(TRITON_INTERPRETED)

@@ -23,8 +23,8 @@ except Exception as _e:  # noqa: BLE001  # pragma: no cover - any import failure
     tl = None
     TRITON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
 
-__all__ = ["KernelTable", "TRITON_INTERPRETED", "available_on", "jit_decorator", "kernels_usable", "tl", "triton",
-           "triton_available", "triton_available_cached", "usable_on"]
+__all__ = ["KernelTable", "TRITON_INTERPRETED", "available_on", "interpreted", "jit_decorator", "kernels_usable",
+           "pow2", "tl", "triton", "triton_available", "triton_available_cached", "usable_on"]
 
 
 def _env_interpret() -> bool:
@@ -61,6 +61,20 @@ def _detect_imported_mode() -> bool | None:
 
 
 TRITON_INTERPRETED = _detect_imported_mode()
+
+
+def interpreted() -> bool:
+    """Kernels run under the Triton interpreter (CPU tensors): no launch options (warps, stages),
+    numpy's math instead of libdevice's."""
+    return bool(TRITON_INTERPRETED)
+
+
+def pow2(n: int, lo: int = 1) -> int:
+    """The smallest power of two >= max(n, lo): a tile extent (tl.arange needs powers of two)."""
+    p = lo
+    while p < n:
+        p *= 2
+    return p
 
 
 def triton_available() -> tuple[bool, str]:
