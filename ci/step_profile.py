@@ -224,6 +224,47 @@ def device_times(prof, steps) -> None:
         st["device"] = interval_union_s(inside) / 1e6
 
 
+def find_syncs(engine: LLMEngine, batch: int, steps: int, repeats: int, label: str) -> None:
+    """Each distinct Python stack that made the host wait for the device during ``steps`` decode
+    steps of ``batch`` requests (torch.cuda.set_sync_debug_mode("warn"): every synchronizing
+    call torch knows of warns; the warning is raised where the op returns to Python)."""
+    import collections
+    import traceback
+    import warnings
+    for i in range(batch):
+        engine.add_request(f"sync-{i}", {"prompt": decode_prompt(i, repeats)}, params(steps + 64))
+    while True:
+        kind, _, running = timed_step(engine)
+        if kind == "decode" and running == batch:
+            break
+    seen: collections.Counter = collections.Counter()
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        key = tuple(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in stack[-8:])
+        seen[(str(message).split("\n")[0][:100], key)] += 1
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = original
+    print(f"[{label}] host syncs over {steps} decode steps at batch {batch}: {sum(seen.values())} "
+          f"({len(seen)} distinct stacks)")
+    for (msg, stack), n in seen.most_common():
+        print(f"[{label}]   {n / steps:.2f} a step: {msg}")
+        for frame in stack:
+            print(f"[{label}]       {frame}")
+    while engine.has_unfinished():
+        engine.step()
+
+
 GAP_BUCKETS_US = (2, 5, 20, 100, 1000)
 
 
@@ -405,6 +446,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
                     help="decode: prompt tokens per request (about; the KV length the decode steps read)")
     ap.add_argument("--profile-batch", type=int, default=1, help="decode: the batch of the profiled steps")
+    ap.add_argument("--find-syncs", type=int, default=0, metavar="STEPS",
+                    help="decode: run STEPS decode steps at --profile-batch under torch.cuda's sync debug mode and "
+                         "print each distinct Python stack that synchronized the host with the device")
     ap.add_argument("--cprofile", action="store_true", help="also the Python functions' own time over 200 "
                     "decode steps at batch 1 (cProfile: slows every call alike, compare commits by it)")
     args = ap.parse_args()
@@ -435,8 +479,10 @@ def main() -> None:
             t = decode_step_times(engine, b, args.tokens, f"r{r}b{b}", repeats)
             print(f"[{args.label}] round {r} batch {b}: decode step median {statistics.median(t) * 1e3:.3f} ms, "
                   f"p10 {sorted(t)[len(t) // 10] * 1e3:.3f} ms over {len(t)} steps", flush=True)
-    # profile decode steps at --profile-batch
     pb = args.profile_batch
+    if args.find_syncs:
+        find_syncs(engine, pb, args.find_syncs, repeats, args.label)
+    # profile decode steps at --profile-batch
     # 64 tokens of headroom: the first requests decode while the later ones still prefill
     for i in range(pb):
         engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 64))
