@@ -93,8 +93,10 @@ class DeviceAPI:
 
     def stage_and_upload(self, t: torch.Tensor) -> torch.Tensor:
         """A pageable host tensor on the device without a host sync (pinned first where the
-        device needs it): the step paths' metadata uploads."""
-        return t.to(self.device)
+        device needs it): the step paths' metadata uploads. Non-blocking: a blocking upload
+        waits for the device's queued work (torch synchronizes the stream after it); a pageable
+        source is staged before the call returns, so the caller may reuse it."""
+        return t.to(self.device, non_blocking=True)
 
     def transfer_event(self):
         """An event (record() / synchronize()) that says when queued uploads left their host

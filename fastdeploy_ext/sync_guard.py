@@ -10,7 +10,11 @@
   reach the dispatcher before being decomposed (in inference mode they do);
 * reading a watched tensor on the host: ``item``, ``int()``/``bool()``/``float()``, sizes taken
   from tensors (``torch.zeros(t[0])``), ``torch.equal``/``allclose``, ``tolist``, ``numpy``;
-* device->host transfers: ``.to("cpu")``, ``.cpu()``, ``copy_`` into a host tensor.
+* device->host transfers: ``.to("cpu")``, ``.cpu()``, ``copy_`` into a host tensor;
+* blocking host->device copies: ``.to(device)`` / ``copy_`` from a host tensor without
+  ``non_blocking=True``. On CUDA such a copy waits for the stream's queued work first (torch
+  synchronizes the stream after it); ``x[idx] = 0.0`` on a device tensor makes one (torch builds
+  the scalar on the host and uploads it blocking), so the step paths pass device values.
 
 It is a TorchDispatchMode (every ATen op, so composite Python helpers cannot hide one) plus a
 TorchFunctionMode for the read-backs that never reach the dispatcher (``numpy``). Host tensors
@@ -120,14 +124,21 @@ class _DispatchWatch(TorchDispatchMode):
         name = func.overloadpacket.__name__
         watched = [t for t in _tensors((args, kwargs)) if t.device.type in self.guard.watch]
         why = None
+        blocking = not kwargs.get("non_blocking", False)
         if name in CONVERT_OPS and args and isinstance(args[0], torch.Tensor):
             dst = _target_device(args, kwargs)
             if args[0].device.type in self.guard.watch and dst is not None and dst.type == "cpu":
                 why, watched = "device->host transfer", [args[0]]
+            elif args[0].device.type == "cpu" and dst is not None and dst.type in self.guard.watch and blocking:
+                self.guard.hit(str(func), dst.type, "blocking host->device copy (waits for the device's queued work)")
         elif name in COPY_OPS and len(args) >= 2:
             dst, src = args[0], args[1]
+            blocking = blocking and not (len(args) > 2 and args[2] is True)
             if isinstance(src, torch.Tensor) and src.device.type in self.guard.watch and dst.device.type == "cpu":
                 why, watched = "device->host copy into a host tensor", [src]
+            elif isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type in self.guard.watch \
+                    and blocking:
+                why, watched = "blocking host->device copy (waits for the device's queued work)", [dst]
         elif watched:
             if name in READBACK_OPS or torch.Tag.data_dependent_output in func.tags:
                 why = "reads a device value on the host"
@@ -152,7 +163,20 @@ class _FunctionWatch(TorchFunctionMode):
         if name in FUNCTION_READBACKS and args and isinstance(args[0], torch.Tensor) \
                 and args[0].device.type in self.guard.watch:
             self.guard.hit(f"Tensor.{name}", args[0].device.type, "reads a device tensor on the host")
+        elif name == "__setitem__" and len(args) == 3 and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type in self.guard.watch and _scalar_into_advanced_index(args[1], args[2]):
+            # on CUDA torch makes the scalar a host tensor and index_put_ uploads it blocking
+            # (what a "meta" run cannot show: there the scalar is made on meta)
+            self.guard.hit("Tensor.__setitem__", args[0].device.type,
+                           "a Python scalar assigned through tensor indices (uploaded blocking)")
         return func(*args, **(kwargs or {}))
+
+
+def _scalar_into_advanced_index(index, value) -> bool:
+    """``t[index] = value`` with a Python number for value and a tensor among the indices."""
+    if not isinstance(value, (bool, int, float)):
+        return False
+    return any(isinstance(i, torch.Tensor) for i in (index if isinstance(index, tuple) else (index,)))
 
 
 class HostSyncGuard:

@@ -188,10 +188,10 @@ def _meta_runner() -> TextStepRunner:
 
 def _on_meta(step: StepBatch) -> StepBatch:
     if step.prev_token_ids is not None:
-        step.prev_token_ids = step.prev_token_ids.to("meta")
+        step.prev_token_ids = step.prev_token_ids.to("meta", non_blocking=True)
     for s in step.seqs:
         if s.image_embeds is not None:
-            s.image_embeds = s.image_embeds.to("meta")      # the encoder's rows live on the device
+            s.image_embeds = s.image_embeds.to("meta", non_blocking=True)     # the encoder's rows live on the device
     return step
 
 

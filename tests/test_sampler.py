@@ -7,7 +7,7 @@ import torch
 from fastdeploy_ext.engine.output_processor import OutputProcessor
 from fastdeploy_ext.engine.sampling_params import RepetitionGuard, SamplingParams
 from fastdeploy_ext.engine.sequence import ProcessedPrompt, Sequence
-from fastdeploy_ext.ops.sampler import SampleRequest, sample
+from fastdeploy_ext.ops.sampler import SampleRequest, sample, sample_async
 
 from .engine_fakes import FakeTokenizer
 
@@ -226,3 +226,21 @@ def test_packed_ids_and_finite_flags_read_back_exactly(monkeypatch, byteorder):
     got_ids, bad = sampler_mod._ids_and_nonfinite(ids, values)
     assert got_ids == ids.tolist()
     assert bad == [False, False, False, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_banned_ids_are_masked_on_the_device_without_a_host_sync(greedy):
+    """Every row bans ids (a family's never-sampled ids, min_tokens' eos): the masked write must
+    not make the host wait for the device. Device tensors on meta, under the sync guard (which
+    also fires on the Python-scalar form of that write: tests/test_sync_guard.py); then the same
+    on the host, where the banned ids must never be picked."""
+    from fastdeploy_ext.sync_guard import HostSyncGuard
+    reqs = [SampleRequest(temperature=0.0 if greedy else 0.7, banned_ids=(3, 5)) for _ in range(4)]
+    logits = torch.zeros(4, 8, device="meta")
+    with HostSyncGuard({"meta"}):
+        sample_async(logits, reqs)
+    host = torch.zeros(4, 8)
+    host[:, 3] = host[:, 5] = 10.0          # the banned ids are the most likely ones
+    out = sample(host, [SampleRequest(temperature=0.0 if greedy else 0.7, banned_ids=(3, 5),
+                                      generator=torch.Generator().manual_seed(i)) for i in range(4)])
+    assert not {3, 5} & set(out.token_ids) and all(e is None for e in out.errors)

@@ -37,8 +37,9 @@ def test_host_tensors_are_free(name):
 def test_uploads_and_static_ops_pass():
     host = torch.arange(12)
     with torch.inference_mode(), HostSyncGuard({"meta"}) as guard:
-        dev = host.to("meta")
-        dev[torch.tensor([0, 3]).to("meta")]                     # integer indexing: static size
+        dev = host.to("meta", non_blocking=True)
+        dev[:2] = 0                                              # a slice: fill_, no upload
+        dev[torch.tensor([0, 3]).to("meta", non_blocking=True)]  # integer indexing: static size
         torch.repeat_interleave(dev, dev, output_size=66)       # output size given
         torch.nn.functional.one_hot(dev, num_classes=12)
         dev.view(3, 4).sum(0).max()
@@ -46,10 +47,10 @@ def test_uploads_and_static_ops_pass():
 
 
 def test_record_mode_collects_events_instead_of_raising():
-    x = torch.arange(3).to("meta")
+    x = torch.arange(3).to("meta", non_blocking=True)
     with HostSyncGuard({"meta"}, raise_on_sync=False) as guard:
         x[x > 0] = 0                     # runs on meta (no data needed), recorded
-    assert [e.op for e in guard.events] == ["aten.index_put_.default"]
+    assert [e.op for e in guard.events] == ["Tensor.__setitem__", "aten.index_put_.default"]
 
 
 def test_the_host_cannot_be_watched():

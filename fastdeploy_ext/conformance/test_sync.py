@@ -100,6 +100,8 @@ MUTATIONS = {
     "copy_into_host_tensor": lambda m: _host_buffer(m.offsets).copy_(m.offsets),
     "torch_equal": lambda m: torch.equal(m.offsets, m.offsets),
     "allclose": lambda m: torch.allclose(m.values, m.values),
+    "blocking_upload": lambda m: torch.zeros(2, dtype=m.index.dtype).to(m.index.device),
+    "scalar_through_tensor_index": lambda m: m.index.clone().__setitem__(m.index[:2], 0),
 }
 
 

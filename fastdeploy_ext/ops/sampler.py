@@ -174,10 +174,14 @@ def sample_async(logits: torch.Tensor, reqs: list[SampleRequest],
     for i, r in enumerate(reqs):
         if r.banned_ids:
             bans.setdefault(tuple(r.banned_ids), []).append(i)
+    # -inf as a device tensor: `logits[i, j] = float("-inf")` would have torch upload the scalar
+    # with a blocking copy, a wait for the whole step's kernels on every step (the family's
+    # never-sampled ids make a ban list on every row)
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device) if bans else None
     for ids, rows in bans.items():       # one masked write per distinct ban list (usually one)
         idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
         cols = torch.tensor(ids, dtype=torch.long).to(logits.device, non_blocking=True)
-        logits[idx.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
+        logits.index_put_((idx.unsqueeze(1), cols.unsqueeze(0)), neg_inf)
 
     vocab = logits.shape[-1]
     greedy = all(_is_greedy(r) for r in reqs)
