@@ -161,6 +161,28 @@ def test_interp_query_encoder_with_the_kernel_matches_aten():
 
 
 @interp
+def test_interp_query_encoder_fused_passes_match_aten(monkeypatch):
+    """The encoder through the decoder's fused passes (packed q|k|v with its bias and gate|up,
+    q/k rotated in place, add + RMSNorm with the residual in place) against ATen's layers; the
+    same path with k left unrotated is caught by the comparison."""
+    import fastdeploy_ext.ops.rotary as rotary
+    enc = randomized(V.QueryEncoder(ENC), seed=3)
+    g = torch.Generator().manual_seed(4)
+    visual, queries = torch.randn(2, 10, ENC.hidden_size, generator=g), torch.randn(7, ENC.hidden_size, generator=g)
+    fused = dataclasses.replace(TRITON_EXECUTION, fused_layers=True)
+    with torch.no_grad():
+        want = enc(visual, queries, V.VisionExecution())
+        got = enc(visual, queries, fused)
+        assert enc.layers[0].self_attn.k_proj.bias.data_ptr() == enc.layers[0].qkv_bias[48:].data_ptr()
+        assert want.shape == got.shape == (2, 7, ENC.hidden_size) and _err(got, want) <= 1e-4
+        assert _err(enc(visual, queries, V.VisionExecution()), want) == 0       # packing changed no value
+        real = rotary.rotary_qk_in_place
+        monkeypatch.setattr(rotary, "rotary_qk_in_place",
+                            lambda qk, cos, sin: real(qk[:, :ENC.num_attention_heads], cos, sin))
+        assert _err(enc(visual, queries, fused), want) > 1e-2
+
+
+@interp
 def test_interp_a_dropped_bias_term_or_an_off_by_one_prefix_fails_the_comparison():
     """The comparisons above can fail: the kernel launched without the column term of the bias,
     or with the prefix one token short or long, is far past 1e-4 from the ATen backend."""
@@ -424,18 +446,20 @@ def test_cuda_prefix_causal_matches_masked_sdpa_at_the_real_shapes(cuda, dtype, 
     assert got.dtype == dtype and _close(got, want), _err(got, want)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_tiny_tower_with_the_kernels_matches_aten(cuda, dtype):
+def test_cuda_tiny_tower_with_the_kernels_matches_aten(cuda, dtype, fused):
     """The tower at the real geometry (a global view and two crops: 64x64 and 48x48 grids in
-    14x14 windows, 256 + 144 queries), tiny widths: the Triton execution against ATen's."""
+    14x14 windows, 256 + 144 queries), tiny widths: the Triton execution (with the encoder's
+    fused passes or not) against ATen's."""
     cfg = DeepseekOCR2Config(sam=dataclasses.replace(SAM, image_size=1024, window_size=14), encoder=ENC,
                              text=TextConfig(hidden_size=40))
     tower = randomized(V.DeepseekOCR2Vision(cfg), seed=5).to("cuda", dtype)
     meta = V.VisionMetadataBuilder(cfg, device=torch.device("cuda")).build_host([(3, 1, 2)])
     pixels = torch.randn(meta.num_tokens, cfg.patch_dim, generator=torch.Generator().manual_seed(6)).to("cuda", dtype)
     with torch.no_grad():
-        got = tower(pixels, meta, TRITON_EXECUTION).float()
         want = tower(pixels, meta, V.VisionExecution(strided_qkv=True)).float()
+        got = tower(pixels, meta, dataclasses.replace(TRITON_EXECUTION, fused_layers=fused)).float()
     if dtype == torch.float32:
         assert _err(got, want) <= 1e-4
     else:

@@ -254,14 +254,27 @@ def pack_rows(*linears: nn.Linear) -> torch.Tensor:
     """The weights of ``linears`` (same input width, no bias) stacked into one tensor, each
     Linear's weight then a view of its rows: one GEMM computes all their outputs side by side."""
     if any(lin.bias is not None for lin in linears):
-        raise ValueError("pack_rows: a Linear with a bias cannot be packed")
-    w = torch.cat([lin.weight.detach() for lin in linears])
+        raise ValueError("pack_rows: a Linear with a bias cannot be packed (pack_linears packs both)")
+    return _stack_into(linears, "weight")
+
+
+def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """pack_rows for Linears that may have biases (all or none): (weight, bias or None), each
+    Linear's parameters then views of the packed ones."""
+    with_bias = [lin.bias is not None for lin in linears]
+    if any(with_bias) and not all(with_bias):
+        raise ValueError("pack_linears: either every Linear has a bias or none has")
+    return _stack_into(linears, "weight"), (_stack_into(linears, "bias") if all(with_bias) else None)
+
+
+def _stack_into(linears, name: str) -> torch.Tensor:
+    packed = torch.cat([getattr(lin, name).detach() for lin in linears])
     start = 0
     for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+        n = getattr(lin, name).shape[0]
+        setattr(lin, name, nn.Parameter(packed[start:start + n], requires_grad=False))
         start += n
-    return w
+    return packed
 
 
 class Projections(nn.Module):
@@ -296,6 +309,32 @@ class EncoderLayer(nn.Module):
         x = x + a.o_proj(o.transpose(1, 2).reshape(b, n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def pack(self) -> None:
+        """The fused path's packed weights: [q|k|v] with its bias and the MLP's [gate|up] (views)."""
+        if getattr(self, "qkv_weight", None) is None:
+            a = self.self_attn
+            self.qkv_weight, self.qkv_bias = pack_linears(a.q_proj, a.k_proj, a.v_proj)
+        self.mlp.pack()
+
+    def forward_fused(self, h, residual, cos, sin, b: int, attend: PrefixCausalAttention, state):
+        """h = input_layernorm(residual) [B*N, d], made by the previous pass; returns (the MLP's
+        output, residual), its residual add deferred to the next add + norm pass. q/k rotated in
+        place in the packed qkv (one pass, fp32 tables [B*N, D]); the attention reads q/k/v as
+        strided views of it."""
+        from ...ops.rotary import rotary_qk_in_place
+        from ...ops.triton.decoder_passes import add_rms_norm
+        t = h.shape[0]
+        n, nh, nkv, hd = t // b, self.nh, self.nkv, self.hd
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        rotary_qk_in_place(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
+        q = qkv[:, :nh * hd].view(b, n, nh, hd).transpose(1, 2)
+        k = qkv[:, nh * hd:(nh + nkv) * hd].view(b, n, nkv, hd).transpose(1, 2)
+        v = qkv[:, (nh + nkv) * hd:].view(b, n, nkv, hd).transpose(1, 2)
+        o = attend(q, k, v, state).transpose(1, 2).reshape(t, nh * hd)
+        norm = self.post_attention_layernorm
+        h = add_rms_norm(self.self_attn.o_proj(o), residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(h), residual
+
 
 class QueryEncoder(nn.Module):
     def __init__(self, c: EncoderConfig):
@@ -311,12 +350,37 @@ class QueryEncoder(nn.Module):
         b, nv, _ = visual.shape
         x = torch.cat([visual, queries.to(visual.dtype).expand(b, -1, -1)], 1)
         n = x.shape[1]
-        cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, x.dtype)
         attend = ex.prefix_attention
         state = attend.prepare(nv, n, x.device)
+        if ex.fused_layers and _passes_usable(x.device):
+            return self.forward_fused(x, attend, state)[:, nv:]
+        cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attend, state)
         return self.norm(x)[:, nv:]
+
+    def forward_fused(self, x: torch.Tensor, attend: PrefixCausalAttention, state) -> torch.Tensor:
+        """The layers through the Triton passes the decoder uses (ops/triton/decoder_passes.py):
+        add + RMSNorm in one pass (the residual stream updated in place), q/k/v from one GEMM
+        with q/k rotated in place, SiLU x up of one [gate|up] GEMM. [B, N, d] -> [B, N, d]."""
+        from ...ops.triton.decoder_passes import add_rms_norm
+        b, n, d = x.shape
+        for layer in self.layers:
+            layer.pack()
+        cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, torch.float32)
+        cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)          # a row per token of the flat batch
+        residual = x.reshape(b * n, d).clone()
+        out = None
+        for layer in self.layers:
+            norm = layer.input_layernorm
+            h = add_rms_norm(out, residual, norm.weight, norm.eps)
+            out, residual = layer.forward_fused(h, residual, cos, sin, b, attend, state)
+        return add_rms_norm(out, residual, self.norm.weight, self.norm.eps).view(b, n, d)
+
+
+def _passes_usable(device: torch.device) -> bool:
+    from ...ops.triton.decoder_passes import usable
+    return usable(device)
 
 
 # ------------------------------------------------------------------ the tower
