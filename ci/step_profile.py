@@ -35,9 +35,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+# the tree's package, not a carried wheel's: run as a script, only ci/ would be on the path first
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastdeploy_ext.engine.config import EngineConfig
 from fastdeploy_ext.engine.llm_engine import LLMEngine
