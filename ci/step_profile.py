@@ -229,6 +229,23 @@ def device_times(prof, steps) -> None:
         st["device"] = interval_union_s(inside) / 1e6
 
 
+def start_full_batch(engine: LLMEngine, tag: str, batch: int, steps: int, repeats: int) -> None:
+    """``batch`` requests with room for ``steps`` decode steps (64 tokens of headroom: the first
+    decode while the later ones still prefill), stepped to the first decode step of the whole
+    batch: every request is past its prefill (a long context takes several chunked prefill
+    steps), so the steps after it are decode steps of the whole batch. (Waiting for each
+    request's first output does not work: a request that does not stream has one output, when
+    it finishes.)"""
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", {"prompt": decode_prompt(i, repeats)}, params(steps + 64))
+    while True:
+        kind, _, running = timed_step(engine)
+        if kind == "decode" and running == batch:
+            return
+        if not engine.has_unfinished():
+            raise SystemExit(f"the {tag} batch finished before a decode step of all {batch}")
+
+
 def find_syncs(engine: LLMEngine, batch: int, steps: int, repeats: int, label: str) -> None:
     """Each distinct Python stack that made the host wait for the device during ``steps`` decode
     steps of ``batch`` requests (torch.cuda.set_sync_debug_mode("warn"): every synchronizing
@@ -236,30 +253,24 @@ def find_syncs(engine: LLMEngine, batch: int, steps: int, repeats: int, label: s
     import collections
     import traceback
     import warnings
-    for i in range(batch):
-        engine.add_request(f"sync-{i}", {"prompt": decode_prompt(i, repeats)}, params(steps + 64))
-    while True:
-        kind, _, running = timed_step(engine)
-        if kind == "decode" and running == batch:
-            break
+    if not torch.cuda.is_available():
+        raise SystemExit("--find-syncs needs a CUDA device (it uses torch.cuda's sync debug mode)")
+    start_full_batch(engine, "sync", batch, steps, repeats)
     seen: collections.Counter = collections.Counter()
-    original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
         key = tuple(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in stack[-8:])
         seen[(str(message).split("\n")[0][:100], key)] += 1
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():         # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             for _ in range(steps):
                 engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = original
     print(f"[{label}] host syncs over {steps} decode steps at batch {batch}: {sum(seen.values())} "
           f"({len(seen)} distinct stacks)")
     for (msg, stack), n in seen.most_common():
@@ -488,19 +499,7 @@ def main() -> None:
     if args.find_syncs:
         find_syncs(engine, pb, args.find_syncs, repeats, args.label)
     # profile decode steps at --profile-batch
-    # 64 tokens of headroom: the first requests decode while the later ones still prefill
-    for i in range(pb):
-        engine.add_request(f"prof-{i}", {"prompt": decode_prompt(i, repeats)}, params(args.profile_steps + 64))
-    # step until a decode step of the whole batch: every request is past its prefill (a long
-    # context takes several chunked prefill steps), so the profiled steps are decode steps of the
-    # whole batch. (Waiting for each request's first output does not work: a request that does
-    # not stream has one output, when it finishes.)
-    while True:
-        kind, _, running = timed_step(engine)
-        if kind == "decode" and running == pb:
-            break
-        if not engine.has_unfinished():
-            raise SystemExit(f"[{args.label}] the profiled batch finished before a decode step of all {pb}")
+    start_full_batch(engine, "prof", pb, args.profile_steps, repeats)
     decode_steps_before = engine.stats().num_decode_steps
     acts = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":

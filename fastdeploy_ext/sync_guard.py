@@ -123,22 +123,23 @@ class _DispatchWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         watched = [t for t in _tensors((args, kwargs)) if t.device.type in self.guard.watch]
-        why = None
+        why, where = None, watched[0].device.type if watched else None      # where: the device named
         blocking = not kwargs.get("non_blocking", False)
+        upload = "blocking host->device copy (waits for the device's queued work)"
         if name in CONVERT_OPS and args and isinstance(args[0], torch.Tensor):
-            dst = _target_device(args, kwargs)
-            if args[0].device.type in self.guard.watch and dst is not None and dst.type == "cpu":
-                why, watched = "device->host transfer", [args[0]]
-            elif args[0].device.type == "cpu" and dst is not None and dst.type in self.guard.watch and blocking:
-                self.guard.hit(str(func), dst.type, "blocking host->device copy (waits for the device's queued work)")
+            src, dst = args[0].device, _target_device(args, kwargs)
+            if src.type in self.guard.watch and dst is not None and dst.type == "cpu":
+                why, where = "device->host transfer", src.type
+            elif src.type == "cpu" and dst is not None and dst.type in self.guard.watch and blocking:
+                why, where = upload, dst.type
         elif name in COPY_OPS and len(args) >= 2:
             dst, src = args[0], args[1]
             blocking = blocking and not (len(args) > 2 and args[2] is True)
             if isinstance(src, torch.Tensor) and src.device.type in self.guard.watch and dst.device.type == "cpu":
-                why, watched = "device->host copy into a host tensor", [src]
+                why, where = "device->host copy into a host tensor", src.device.type
             elif isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type in self.guard.watch \
                     and blocking:
-                why, watched = "blocking host->device copy (waits for the device's queued work)", [dst]
+                why, where = upload, dst.device.type
         elif watched:
             if name in READBACK_OPS or torch.Tag.data_dependent_output in func.tags:
                 why = "reads a device value on the host"
@@ -149,7 +150,7 @@ class _DispatchWatch(TorchDispatchMode):
             elif torch.Tag.dynamic_output_shape in func.tags:
                 why = "output size depends on the data"
         if why:
-            self.guard.hit(str(func), watched[0].device.type, why)
+            self.guard.hit(str(func), where, why)
         return func(*args, **kwargs)
 
 

@@ -28,12 +28,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), -1) * sin[:, None]
 
 
-def run_fused_layers(x: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+def run_fused_layers(x: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tensor, attend,
+                     final_norm: nn.Module | None = None) -> torch.Tensor:
     """The decoder layers through the fused Triton passes (ops/triton/decoder_passes.py): the
     residual stream is updated in place, each layer's output added to it by the next layer's
     add + RMSNorm pass. Each layer has ``input_layernorm`` (weight, eps) and
     ``forward_fused(h, residual, cos, sin, i, attend) -> (out, residual)`` taking h, its input
-    norm, and returning its output before the residual add."""
+    norm, and returning its output before the residual add. ``final_norm`` (an RMSNorm's weight
+    and eps): returned normed, the last add in the same pass; else the sum itself."""
     from ..ops.triton.decoder_passes import add_rms_norm
     residual = x.clone()
     out = None
@@ -41,6 +43,8 @@ def run_fused_layers(x: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tens
         norm = layer.input_layernorm
         h = add_rms_norm(out, residual, norm.weight, norm.eps)
         out, residual = layer.forward_fused(h, residual, cos, sin, i, attend)
+    if final_norm is not None:
+        return add_rms_norm(out, residual, final_norm.weight, final_norm.eps)
     return residual + out
 
 

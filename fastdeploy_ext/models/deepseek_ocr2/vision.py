@@ -316,21 +316,21 @@ class EncoderLayer(nn.Module):
             self.qkv_weight, self.qkv_bias = pack_linears(a.q_proj, a.k_proj, a.v_proj)
         self.mlp.pack()
 
-    def forward_fused(self, h, residual, cos, sin, b: int, attend: PrefixCausalAttention, state):
+    def forward_fused(self, h, residual, cos, sin, i: int, attend: "FlatPrefixAttention"):
         """h = input_layernorm(residual) [B*N, d], made by the previous pass; returns (the MLP's
-        output, residual), its residual add deferred to the next add + norm pass. q/k rotated in
-        place in the packed qkv (one pass, fp32 tables [B*N, D]); the attention reads q/k/v as
-        strided views of it."""
+        output, residual), its residual add deferred to the next add + norm pass
+        (eager_decoder.run_fused_layers drives it). q/k rotated in place in the packed qkv (one
+        pass, fp32 tables [B*N, D]); the attention reads q/k/v as strided views of it."""
         from ...ops.rotary import rotary_qk_in_place
         from ...ops.triton.decoder_passes import add_rms_norm
-        t = h.shape[0]
+        t, b = h.shape[0], attend.batch
         n, nh, nkv, hd = t // b, self.nh, self.nkv, self.hd
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
         rotary_qk_in_place(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
         q = qkv[:, :nh * hd].view(b, n, nh, hd).transpose(1, 2)
         k = qkv[:, nh * hd:(nh + nkv) * hd].view(b, n, nkv, hd).transpose(1, 2)
         v = qkv[:, (nh + nkv) * hd:].view(b, n, nkv, hd).transpose(1, 2)
-        o = attend(q, k, v, state).transpose(1, 2).reshape(t, nh * hd)
+        o = attend.backend(q, k, v, attend.state).transpose(1, 2).reshape(t, nh * hd)
         norm = self.post_attention_layernorm
         h = add_rms_norm(self.self_attn.o_proj(o), residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(h), residual
@@ -363,19 +363,23 @@ class QueryEncoder(nn.Module):
         """The layers through the Triton passes the decoder uses (ops/triton/decoder_passes.py):
         add + RMSNorm in one pass (the residual stream updated in place), q/k/v from one GEMM
         with q/k rotated in place, SiLU x up of one [gate|up] GEMM. [B, N, d] -> [B, N, d]."""
-        from ...ops.triton.decoder_passes import add_rms_norm
+        from ..eager_decoder import run_fused_layers
         b, n, d = x.shape
         for layer in self.layers:
             layer.pack()
         cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, torch.float32)
         cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)          # a row per token of the flat batch
-        residual = x.reshape(b * n, d).clone()
-        out = None
-        for layer in self.layers:
-            norm = layer.input_layernorm
-            h = add_rms_norm(out, residual, norm.weight, norm.eps)
-            out, residual = layer.forward_fused(h, residual, cos, sin, b, attend, state)
-        return add_rms_norm(out, residual, self.norm.weight, self.norm.eps).view(b, n, d)
+        return run_fused_layers(x.reshape(b * n, d), self.layers, cos, sin, FlatPrefixAttention(attend, state, b),
+                                final_norm=self.norm).view(b, n, d)
+
+
+@dataclass(frozen=True)
+class FlatPrefixAttention:
+    """The fused encoder layers' ``attend``: the plan's prefix-causal backend, what its
+    prepare() made, and the number of equal sequences in the flat [B*N, d] batch."""
+    backend: PrefixCausalAttention
+    state: Any
+    batch: int
 
 
 def _passes_usable(device: torch.device) -> bool:

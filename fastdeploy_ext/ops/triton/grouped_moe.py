@@ -298,5 +298,4 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     return out
 
 
-
 __all__ = ["ALIGN_KERNEL_MAX_ROWS", "MoEBlocks", "align_by_expert", "grouped_capacity", "grouped_moe", "pick_blocks"]
