@@ -28,7 +28,7 @@ from fastdeploy_ext.models.deepseek_ocr2.config import (DeepseekOCR2Config, Enco
                                                         TextConfig)
 from fastdeploy_ext.models.registry import get_family  # noqa: E402
 from fastdeploy_ext.ops.attention.biased import (SDPA_BIAS, SDPA_MASK, TRITON_PREFIX_CAUSAL, TRITON_RELPOS,  # noqa: E402
-                                                 SdpaPrefixMask, SdpaRelPos, prefix_mask)
+                                                 SdpaPrefixMask, SdpaRelPos, prefix_mask, rel_pos_table)
 from fastdeploy_ext.ops.triton import runtime as ta  # noqa: E402
 from fastdeploy_ext.plan import BUILTIN_TOWER, ComponentKind, PlanRequest, QkvLayout, resolve_for_components  # noqa: E402
 from .triton_interpreter import run_interp_tests
@@ -53,8 +53,8 @@ def relpos_case(b, h, gh, gw, d, dtype=torch.float32, device="cpu", seed=0):
     qkv = torch.randn(b, n, 3, h, d, generator=g).to(device, dtype)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     qg = q.reshape(b, h, gh, gw, d)
-    th = V.rel_pos_table(torch.randn(2 * gh - 1, d, generator=g).to(device, dtype), gh)
-    tw = V.rel_pos_table(torch.randn(2 * gw - 1, d, generator=g).to(device, dtype), gw)
+    th = rel_pos_table(torch.randn(2 * gh - 1, d, generator=g).to(device, dtype), gh)
+    tw = rel_pos_table(torch.randn(2 * gw - 1, d, generator=g).to(device, dtype), gw)
     rel_h = torch.einsum("bnhwc,hkc->bnhwk", qg, th).reshape(b, h, n, gh)
     rel_w = torch.einsum("bnhwc,wkc->bnhwk", qg, tw).reshape(b, h, n, gw)
     return q, k, v, rel_h, rel_w
@@ -113,7 +113,9 @@ def test_interpreter_subprocess():
                                                (1, 3, 3, 3, 24, (16, 16)),      # head dim padded to 32
                                                (1, 1, 9, 9, 64, None),          # the default blocks, D=64
                                                (1, 2, 3, 32, 16, (16, 16)),     # wide rows: a key block in one row
-                                               (2, 2, 4, 16, 32, (32, 16))])    # one key block per grid row
+                                               (2, 2, 4, 16, 32, (32, 16)),     # one key block per grid row
+                                               (1, 2, 3, 20, 16, (16, 16)),     # key blocks across rows: gathers
+                                               (1, 2, 3, 20, 16, (16, 32))])    # a grid row padded to a key block
 def test_interp_relpos_kernel_matches_sdpa_bias(b, h, gh, gw, d, block):
     from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, relpos_attention
     q, k, v, rel_h, rel_w = relpos_case(b, h, gh, gw, d)
@@ -135,6 +137,51 @@ def test_interp_sam_block_with_the_kernel_matches_aten(window, side, strided):
         want = blk(x, V.VisionExecution(strided_qkv=strided))
         got = blk(x, dataclasses.replace(TRITON_EXECUTION, strided_qkv=strided))
     assert want.abs().max() > 0.5 and _err(got, want) <= 1e-4
+
+
+@interp
+@pytest.mark.parametrize("b,h,gh,gw,d,strided", [(2, 2, 5, 7, 16, True),       # odd non-square grid
+                                                 (1, 3, 14, 14, 24, False),    # a window, head dim padded, dense q
+                                                 (1, 1, 9, 9, 64, True)])      # D=64
+def test_interp_relpos_projections_match_einsum(b, h, gh, gw, d, strided):
+    """Our projections kernel (q read in place) against the reference's einsum over the gathered
+    tables, the row table resized (trained for another grid); the row table's offsets reversed
+    are caught by the same comparison."""
+    from fastdeploy_ext.ops.attention.biased import rel_pos_projections
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, gh * gw, 3, h, d, generator=g).permute(2, 0, 3, 1, 4)[0]
+    q = q if strided else q.contiguous()
+    th, tw = torch.randn(2 * gh + 3, d, generator=g), torch.randn(2 * gw - 1, d, generator=g)
+    want = rel_pos_projections(q, th, tw, gh, gw, kernel=False)
+    got = rel_pos_projections(q, th, tw, gh, gw, kernel=True)
+    for a, w in zip(got, want):
+        assert a.shape == w.shape and a.is_contiguous() and w.abs().max() > 1 and _err(a, w) <= 1e-4
+    assert _err(rel_pos_projections(q, th.flip(0), tw, gh, gw, kernel=True)[0], want[0]) > 1e-2
+
+
+@interp
+@pytest.mark.parametrize("side", [12, 7])     # the trained grid; a crop-like one (positions, global tables resized)
+def test_interp_sam_fused_blocks_match_aten(side, monkeypatch):
+    """SAM through the fused passes (the window partition in the norms' row maps, the rel-pos
+    projections by our kernel) against ATen's blocks: 5x5 windows over 12x12 (padded to 15) and
+    7x7 (padded to 10) grids, then a global layer; a window map shifted by one row is caught."""
+    sam = randomized(V.Sam(SAM), seed=6)
+    views = 2
+    patches = torch.randn(views * side * side, 3 * 16 * 16, generator=torch.Generator().manual_seed(7))
+    fused = dataclasses.replace(TRITON_EXECUTION, fused_layers=True)
+    with torch.no_grad():
+        want = sam(patches, views, V.VisionExecution())
+        got = sam(patches, views, fused)
+        assert got.shape == want.shape and want.abs().max() > 0.5 and _err(got, want) <= 1e-4
+        assert len(sam._window_maps) == 1          # made once per shape
+        real = V.WindowMaps.build.__func__
+
+        def shifted(cls, *args):
+            m = real(cls, *args)
+            return cls(m.windows, torch.roll(m.rows, 1), m.delta_rows)
+        monkeypatch.setattr(V.WindowMaps, "build", classmethod(shifted))
+        sam._window_maps.clear()
+        assert _err(sam(patches, views, fused), want) > 1e-2
 
 
 @interp

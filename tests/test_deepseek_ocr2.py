@@ -26,6 +26,7 @@ from fastdeploy_ext.models.deepseek_ocr2.loader import load  # noqa: E402
 from fastdeploy_ext.models.deepseek_ocr2.processor import DeepseekOCR2ImageProcessor  # noqa: E402
 from fastdeploy_ext.models.interface import CheckpointError  # noqa: E402
 from fastdeploy_ext.models.registry import detect_family, get_family  # noqa: E402
+from fastdeploy_ext.ops.attention.biased import rel_pos_table  # noqa: E402
 from fastdeploy_ext.ops.moe import experts_dense, experts_gathered  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -237,8 +238,8 @@ def test_breaking_the_tower_breaks_parity(features, ours, monkeypatch, fault):
             qkv = a.qkv(y) * keep
             q, k, v = qkv.view(-1, s * s, 3, a.nh, a.hd).permute(2, 0, 3, 1, 4).unbind(0)
             qg = q.reshape(-1, a.nh, s, s, a.hd)
-            rh = torch.einsum("bnhwc,hkc->bnhwk", qg, vision_mod.rel_pos_table(a.rel_pos_h, s))
-            rw = torch.einsum("bnhwc,wkc->bnhwk", qg, vision_mod.rel_pos_table(a.rel_pos_w, s))
+            rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(a.rel_pos_h, s))
+            rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(a.rel_pos_w, s))
             bias = (rh[..., :, None] + rw[..., None, :]).reshape(-1, a.nh, s * s, s * s)
             o = a.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(-1, s, s, d))
             o = o.view(b, hp // s, wp // s, s, s, d).transpose(2, 3).reshape(b, hp, wp, d)[:, :h, :w]

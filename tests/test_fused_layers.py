@@ -61,6 +61,41 @@ def _check_rotary(device, dtype, n=29, heads=3, d=72):
         assert torch.equal(qkv, ref)
 
 
+def _check_add_ln_row_maps(device, dtype, views=2, side=7, window=5, hidden=40):
+    """The window row maps (SAM's partition folded into the pass) against the same pass without
+    maps and the layout change done by indexing: the same bits, the padding rows zero; a map
+    shifted by one row is caught."""
+    from fastdeploy_ext.models.deepseek_ocr2.vision import WindowMaps
+    g = torch.Generator().manual_seed(3)
+    n = views * side * side
+    maps = WindowMaps.build(views, side, window, torch.device(device))
+    x = torch.randn(n, hidden, generator=g).to(device, dtype)
+    d_win = torch.randn(maps.rows.numel(), hidden, generator=g).to(device, dtype)
+    b, w, lb = (torch.randn(hidden, generator=g).to(device, dtype) for _ in range(3))
+    # Y in window order: the plain pass, then its rows gathered (zeros where the map says -1)
+    _, y_plain = norm.add_layer_norm(x, None, None, w, lb, 1e-6)
+    _, y_win = norm.add_layer_norm(x, None, None, w, lb, 1e-6, rows_of_y=maps.rows)
+    pad = maps.rows < 0
+    assert y_win.shape == (maps.rows.numel(), hidden) and int(pad.sum()) == maps.rows.numel() - n > 0
+    assert torch.equal(y_win[~pad], y_plain[maps.rows[~pad].long()]) and not y_win[pad].any()
+    # delta in window order added back onto the grid
+    r_ref, y_ref = norm.add_layer_norm(x, d_win[maps.delta_rows.long()].contiguous(), b, w, lb, 1e-6)
+    xr = x.clone()
+    r, y = norm.add_layer_norm(xr, d_win, b, w, lb, 1e-6, out=xr, delta_rows=maps.delta_rows)
+    assert r.data_ptr() == xr.data_ptr() and torch.equal(r, r_ref) and torch.equal(y, y_ref)
+    # ATen's fallback agrees
+    r_t, y_t = norm.add_layer_norm_torch(x, d_win, b, w, lb, 1e-6, None, maps.rows, maps.delta_rows)
+    assert torch.allclose(y_t.float(), y_ref[maps.rows.clamp(min=0).long()].float().masked_fill(pad[:, None], 0),
+                          rtol=0, atol=1e-4 if dtype == torch.float32 else 3e-2)
+    shifted = torch.roll(maps.delta_rows, 1)
+    assert not torch.equal(norm.add_layer_norm(x, d_win, b, w, lb, 1e-6, delta_rows=shifted)[1], y_ref)
+
+
+@interp
+def test_interp_add_layer_norm_row_maps():
+    _check_add_ln_row_maps("cpu", torch.float32)
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_interp_add_layer_norm(dtype):
@@ -78,6 +113,7 @@ def test_interp_rotary_qk(dtype):
 def test_cuda_kernels(dtype):
     _check_add_ln("cuda", dtype, n=1000, hidden=1152, tol=0.0 if dtype == torch.float32 else 8e-3)
     _check_rotary("cuda", dtype, n=1000, heads=16)
+    _check_add_ln_row_maps("cuda", dtype, views=3, side=48, window=14, hidden=768)
 
 
 def test_fused_interpreter_subprocess():
@@ -86,7 +122,7 @@ def test_fused_interpreter_subprocess():
     if rt.TRITON_INTERPRETED:
         pytest.skip("already interpreting: the test_interp_* tests run in this process")
     res = run_interp_tests(__file__, timeout=300)
-    assert "5 passed" in res.stdout, res.stdout[-4000:]
+    assert "6 passed" in res.stdout, res.stdout[-4000:]
 
 
 def test_bad_shapes_are_clear_errors():
@@ -97,6 +133,14 @@ def test_bad_shapes_are_clear_errors():
         norm.add_layer_norm(x, None, None, torch.ones(9), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="bias must be a contiguous"):
         norm.add_layer_norm(x, torch.randn(4, 8), torch.ones(16)[::2], torch.ones(8), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="rows_of_y must be a contiguous int32"):
+        norm.add_layer_norm(x, None, None, torch.ones(8), torch.zeros(8), 1e-6, rows_of_y=torch.zeros(3))
+    with pytest.raises(ValueError, match="delta_rows must be a contiguous int32 \\[4\\]"):
+        norm.add_layer_norm(x, torch.randn(9, 8), None, torch.ones(8), torch.zeros(8), 1e-6,
+                            delta_rows=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="delta_rows given without a delta"):
+        norm.add_layer_norm(x, None, None, torch.ones(8), torch.zeros(8), 1e-6,
+                            delta_rows=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="cos must be fp32"):
         rotary.rotary_qk_in_place(torch.randn(4, 2, 8), torch.randn(4, 8).double(), torch.randn(4, 8))
     with pytest.raises(ValueError, match="even head dim"):

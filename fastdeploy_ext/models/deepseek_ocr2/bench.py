@@ -159,6 +159,7 @@ def vision_stages(runner, batch, timer) -> list[dict]:
     SAM's patch embedding, its windowed and its global blocks (summed per kind), the neck, the
     Qwen2 encoder and the projector, each timed alone on the input the stages before it made
     (the plan's backends, ``runner.execution``). The stages add up to about the eager pass."""
+    from . import vision as V
     model, ex = runner.model, runner.execution
     pixels = batch.pixel_values.to(runner.device)
     meta = runner.meta_builder.build_host(batch.grid_thw)
@@ -177,7 +178,14 @@ def vision_stages(runner, batch, timer) -> list[dict]:
                 return sam.patch_embed(patches).view(n, side, side, -1) + sam.positions(side)
             stage["sam patch embed + positions"] = (timer(embed), 1)
             x = embed()
-            for blk in sam.blocks:
+            if ex.fused_layers and V.passes_usable(x.device):
+                # the fused passes run the blocks as one chain (each pass ends one block and starts
+                # the next): one stage, the residual stream's copy included (it is updated in place)
+                flat = x.view(-1, x.shape[-1])
+                stage["sam blocks (fused passes)"] = (
+                    timer(lambda: sam.blocks_fused(flat.clone(), n, side, ex)), len(sam.blocks))
+                x = sam.blocks_fused(flat.clone(), n, side, ex).view(x.shape)
+            for blk in () if "sam blocks (fused passes)" in stage else sam.blocks:
                 name = "sam windowed blocks" if blk.window else "sam global blocks"
                 ms = timer(partial(blk, x, ex))
                 total, count = stage.get(name, (0.0, 0))

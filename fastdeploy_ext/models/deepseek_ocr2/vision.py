@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.attention.biased import SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention, rel_pos_table
+from ...ops.attention.biased import (SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention,
+                                     rel_pos_projections)
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
 from .processor import num_crops
 
@@ -101,7 +102,9 @@ class SamAttention(nn.Module):
         self.rel_pos_h = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * side - 1, self.hd))
 
-    def forward(self, x: torch.Tensor, ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, ex: VisionExecution = DEFAULT_EXECUTION, fused: bool = False) -> torch.Tensor:
+        """[b, h, w, d] (normed) -> [b, h*w, d]: the attention before its output projection.
+        ``fused``: the rel-pos projections by our kernel (q read in place), else einsum."""
         b, h, w, d = x.shape
         q, k, v = self.qkv(x).view(b, h * w, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
         if not ex.strided_qkv:       # the plan's dense qkv layout: the kernel gets contiguous q/k/v
@@ -109,12 +112,13 @@ class SamAttention(nn.Module):
         # decomposed relative positions: bias[i, j] = q_i . Rh[row_i - row_j] + q_i . Rw[col_i - col_j];
         # the per-query projections are small ([.., N, h] and [.., N, w]): the backend applies them
         # (materialized for ATen's SDPA, per tile in our kernel)
-        qg = q.reshape(b, self.nh, h, w, self.hd)
-        rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(self.rel_pos_h, h)).reshape(b, self.nh, h * w, h)
-        rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(self.rel_pos_w, w)).reshape(b, self.nh, h * w, w)
+        rh, rw = rel_pos_projections(q, self.rel_pos_h, self.rel_pos_w, h, w, kernel=fused)
         attend = ex.window_attention if self.windowed else ex.global_attention
-        o = attend(q, k, v, rh, rw)
-        return self.proj(o.transpose(1, 2).reshape(b, h, w, d))
+        return attend(q, k, v, rh, rw).transpose(1, 2).reshape(b, h * w, d)
+
+    def forward(self, x: torch.Tensor, ex: VisionExecution = DEFAULT_EXECUTION) -> torch.Tensor:
+        b, h, w, d = x.shape
+        return self.proj(self.attend(x, ex)).view(b, h, w, d)
 
 
 class SamMLP(nn.Module):
@@ -184,6 +188,7 @@ class Sam(nn.Module):
                                   nn.Conv2d(oc, oc, 3, padding=1, bias=False), ChannelLayerNorm(oc, eps=1e-6))
         self.net_2 = nn.Conv2d(oc, d1, 3, stride=2, padding=1, bias=False)
         self.net_3 = nn.Conv2d(d1, d2, 3, stride=2, padding=1, bias=False)
+        self._window_maps: dict = {}
 
     def positions(self, side: int) -> torch.Tensor:
         if side == self.pos_embed.shape[1]:
@@ -198,10 +203,71 @@ class Sam(nn.Module):
         fused projection, else copied contiguous)."""
         side = int(round((patches.shape[0] // views) ** 0.5))
         x = self.patch_embed(patches).view(views, side, side, -1) + self.positions(side)
-        for blk in self.blocks:
-            x = blk(x, ex)
+        if ex.fused_layers and passes_usable(x.device):
+            x = self.blocks_fused(x.view(-1, x.shape[-1]), views, side, ex).view(views, side, side, -1)
+        else:
+            for blk in self.blocks:
+                x = blk(x, ex)
         x = self.net_3(self.net_2(self.neck(x.permute(0, 3, 1, 2))))
         return x.flatten(2).transpose(1, 2)
+
+    def blocks_fused(self, x: torch.Tensor, views: int, side: int, ex: VisionExecution) -> torch.Tensor:
+        """The blocks over the residual stream x [views * side^2, d] (grid order, updated in
+        place) with the memory-bound steps in Triton passes: each residual add + bias + the next
+        LayerNorm is one pass (ops/norm.py), and a windowed block's padding and partition ride in
+        its first norm's pass (the output rows gathered in window order, the padding zero) and its
+        un-partition in the second's (the attention's window rows added back onto the grid): no
+        copy of the activations for the windows, no strided add. The rel-pos projections read q
+        in place (our kernel). Each GEMM's bias is added in the next pass, except the last."""
+        from ...ops.norm import add_layer_norm
+        d = x.shape[1]
+        delta = bias = h = None
+        for blk in self.blocks:
+            maps = self.window_maps(views, side, blk.window, x.device) if blk.window else None
+            n1, n2 = blk.norm1, blk.norm2
+            x, y = add_layer_norm(x, delta, bias, n1.weight, n1.bias, n1.eps, out=x,
+                                  rows_of_y=maps.rows if maps else None)
+            b, s = (maps.windows, blk.window) if maps else (views, side)
+            a = torch.mm(blk.attn.attend(y.view(b, s, s, d), ex, fused=True).view(-1, d), blk.attn.proj.weight.t())
+            x, y = add_layer_norm(x, a, blk.attn.proj.bias, n2.weight, n2.bias, n2.eps, out=x,
+                                  delta_rows=maps.delta_rows if maps else None)
+            h = F.gelu(blk.mlp.lin1(y))
+            delta, bias = torch.mm(h, blk.mlp.lin2.weight.t()), blk.mlp.lin2.bias
+        return x + self.blocks[-1].mlp.lin2(h)
+
+    def window_maps(self, views: int, side: int, window: int, device: torch.device) -> "WindowMaps":
+        """The row maps of ``views`` side x side grids cut into window x window windows (cached
+        per shape; made on the device, no host sync; not cached while a graph is being captured,
+        whose kernels only run at replay)."""
+        key = (views, side, window, str(device))
+        maps = self._window_maps.get(key)
+        if maps is None:
+            maps = WindowMaps.build(views, side, window, device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._window_maps[key] = maps
+        return maps
+
+
+@dataclass(frozen=True)
+class WindowMaps:
+    """SAM's window partition as row maps between the grid order of the residual stream
+    ([views, side, side] rows) and the window order of the attention ([windows, s, s] rows,
+    each grid padded with zeros to a multiple of s a side)."""
+    windows: int
+    rows: torch.Tensor              # int32 [windows * s * s]: the grid row of each window row, -1 padding
+    delta_rows: torch.Tensor        # int32 [views * side * side]: the window row of each grid row
+
+    @classmethod
+    def build(cls, views: int, side: int, s: int, device) -> "WindowMaps":
+        n = -(-side // s)                                   # windows a side
+        v = torch.arange(views, device=device)[:, None, None]
+        g = torch.arange(side, device=device)
+        gi, gj = g[None, :, None], g[None, None, :]
+        win_row = ((v * n + gi // s) * n + gj // s) * (s * s) + (gi % s) * s + gj % s
+        delta_rows = win_row.reshape(-1)
+        rows = torch.full((views * n * n * s * s,), -1, dtype=torch.int32, device=device)
+        rows[delta_rows] = torch.arange(delta_rows.numel(), dtype=torch.int32, device=device)
+        return cls(views * n * n, rows, delta_rows.to(torch.int32))
 
 
 # ------------------------------------------------------------------ Qwen2 encoder
@@ -352,7 +418,7 @@ class QueryEncoder(nn.Module):
         n = x.shape[1]
         attend = ex.prefix_attention
         state = attend.prepare(nv, n, x.device)
-        if ex.fused_layers and _passes_usable(x.device):
+        if ex.fused_layers and passes_usable(x.device):
             return self.forward_fused(x, attend, state)[:, nv:]
         cos, sin = rope_tables(n, self.c.head_dim, self.c.rope_theta, x.device, x.dtype)
         for layer in self.layers:
@@ -382,7 +448,8 @@ class FlatPrefixAttention:
     batch: int
 
 
-def _passes_usable(device: torch.device) -> bool:
+def passes_usable(device: torch.device) -> bool:
+    """The fused layers' Triton passes run on this device (else the ATen layers)."""
     from ...ops.triton.decoder_passes import usable
     return usable(device)
 

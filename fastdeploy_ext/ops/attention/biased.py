@@ -147,11 +147,35 @@ BUILTIN_RELPOS_BACKENDS: tuple[RelPosAttention, ...] = (TRITON_RELPOS, SDPA_BIAS
 BUILTIN_PREFIX_BACKENDS: tuple[PrefixCausalAttention, ...] = (TRITON_PREFIX_CAUSAL, SDPA_MASK)
 
 
-def rel_pos_table(table: torch.Tensor, size: int) -> torch.Tensor:
-    """[size, size, head_dim]: the bias vectors of query i against key j (offset i - j), the
-    table resized linearly to 2 * size - 1 rows when it was trained for another size."""
+def rel_pos_rows(table: torch.Tensor, size: int) -> torch.Tensor:
+    """The [2 * size - 1, head_dim] bias vectors of the offsets -(size-1)..size-1, the table
+    resized linearly when it was trained for another size (SAM's global layers on a crop)."""
     n = 2 * size - 1
     if table.shape[0] != n:
         table = F.interpolate(table.t()[None].float(), size=n, mode="linear")[0].t().to(table.dtype)
+    return table
+
+
+def rel_pos_table(table: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, size, head_dim]: the bias vectors of query i against key j (offset i - j), the
+    table resized linearly to 2 * size - 1 rows when it was trained for another size."""
+    table = rel_pos_rows(table, size)
     idx = torch.arange(size, device=table.device)
     return table[idx[:, None] - idx[None, :] + size - 1]
+
+
+def rel_pos_projections(q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor, grid_h: int,
+                        grid_w: int, *, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAM's per-query projections ``rel_h = q . Rh[qh - kh]`` [B, H, N, grid_h] and ``rel_w``
+    [B, H, N, grid_w] from q [B, H, N, D] (row-major over the grid). ``kernel``: our Triton
+    launch, which reads a strided q in place (ops/triton/biased_attention.py); else einsum over
+    the gathered tables, the reference's math (it copies q twice and its outputs once)."""
+    b, h, n, d = q.shape
+    if kernel:
+        from ..triton.biased_attention import relpos_projections
+        return relpos_projections(q, rel_pos_rows(rel_pos_h, grid_h).contiguous(),
+                                  rel_pos_rows(rel_pos_w, grid_w).contiguous(), grid_h, grid_w)
+    qg = q.reshape(b, h, grid_h, grid_w, d)
+    rh = torch.einsum("bnhwc,hkc->bnhwk", qg, rel_pos_table(rel_pos_h, grid_h)).reshape(b, h, n, grid_h)
+    rw = torch.einsum("bnhwc,wkc->bnhwk", qg, rel_pos_table(rel_pos_w, grid_w)).reshape(b, h, n, grid_w)
+    return rh, rw

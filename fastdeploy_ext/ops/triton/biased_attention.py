@@ -30,7 +30,7 @@ import torch
 
 from .runtime import TRITON_INTERPRETED, KernelTable, tl, triton, triton_available_cached
 
-__all__ = ["BlockConfig", "default_config", "prefix_causal_attention", "relpos_attention"]
+__all__ = ["BlockConfig", "default_config", "prefix_causal_attention", "relpos_attention", "relpos_projections"]
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
@@ -94,6 +94,7 @@ if triton is not None:
         ALIGN: tl.constexpr,
         RELPOS: tl.constexpr,
         ROW_BLOCKS: tl.constexpr,
+        ROW_PAD: tl.constexpr,
         PREFIX_CAUSAL: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):
@@ -140,17 +141,36 @@ if triton is not None:
             # the last key any row of this block sees is max(last row, n_prefix - 1)
             end = tl.minimum(n_tokens, tl.maximum(pid_m * BLOCK_M + BLOCK_M, n_prefix))
             last_key = tl.maximum(offs_m, n_prefix - 1)
+        if ROW_PAD:
+            # a key block is one whole grid row (BLOCK_N >= grid_w, the columns past it masked):
+            # the row's rel_w run is the same for every key block, loaded once
+            n_iter = n_tokens // grid_w
+            step = grid_w
+            kw_ok = tl.arange(0, BLOCK_N) < grid_w
+            kw_c = tl.minimum(tl.arange(0, BLOCK_N), grid_w - 1)
+            rw_row = tl.load(rw_base + kw_c[None, :]).to(tl.float32)
+        else:
+            n_iter = tl.cdiv(end, BLOCK_N)
+            step = BLOCK_N
         # key block 0 is always visible to every row (key 0), so m_i is finite after it and no
         # fully masked row ever computes -inf - -inf
-        for start_n in range(0, end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
+        for it in range(0, n_iter):
+            start_n = it * step
+            if ROW_PAD:
+                offs_n = start_n + kw_c
+                visible = kw_ok[None, :]
+            else:
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                visible = (offs_n < n_tokens)[None, :]
             k_rows = tl.minimum(offs_n, n_tokens - 1)
             k = tl.load(k_base + k_rows[:, None] * s_kn + cols[None, :])
             if RELPOS:
                 # the bias of each (query, key): rel_h at the key's grid row, rel_w at its column;
                 # it is the QK dot's accumulator, divided by the scale the sum is multiplied by
                 # (bias added after the dot instead serializes Hopper's wgmma pipeline: ptxas C7515)
-                if ROW_BLOCKS:
+                if ROW_PAD:
+                    bias = tl.load(rh_base + it).to(tl.float32) + rw_row
+                elif ROW_BLOCKS:
                     # the key block lies in one grid row (grid_w is a multiple of BLOCK_N): one
                     # rel_h value per query and a contiguous run of rel_w, no per-key gathers
                     kh0 = start_n // grid_w
@@ -165,7 +185,6 @@ if triton is not None:
                 qk = tl.dot(q, tl.trans(k), bias * inv_scale, input_precision=DOT_PREC) * qk_scale
             else:
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            visible = (offs_n < n_tokens)[None, :]
             if PREFIX_CAUSAL:
                 visible = visible & (offs_n[None, :] <= last_key[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -182,7 +201,54 @@ if triton is not None:
         tl.store(o_base + offs_m[:, None] * s_on + offs_d[None, :], out, mask=store)
 
 
-_KERNELS = KernelTable(lambda: {"fwd": _biased_attn_fwd})
+    def _relpos_proj_kernel(
+        Q, TH, TW, RH, RW,
+        stride_qb, stride_qh, stride_qn,
+        grid_h, grid_w, n_tokens,
+        HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        # program (b, h, i): grid row i's rel_h (its grid_w queries against the rows' table
+        # Rh[i - kh + grid_h - 1]) and grid column i's rel_w (its grid_h queries against
+        # Rw[i - kw + grid_w - 1]); each a [queries, D] x [D, keys] dot, q read in place
+        lines = tl.maximum(grid_h, grid_w)
+        pid = tl.program_id(0)
+        bh = pid // lines
+        i = pid % lines
+        b = (bh // HEADS).to(tl.int64)
+        h = bh % HEADS
+        q_base = Q + b * stride_qb + h * stride_qh
+        j = tl.arange(0, BLOCK_L)
+        kk = tl.arange(0, BLOCK_L)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        bh64 = bh.to(tl.int64)
+        if i < grid_h:
+            tok = i * grid_w + j
+            qm = j < grid_w
+            qv = tl.load(q_base + tok[:, None] * stride_qn + d[None, :], mask=qm[:, None] & dmask[None, :], other=0.0)
+            km = kk < grid_h
+            t = tl.load(TH + (i - kk + grid_h - 1)[:, None] * HEAD_DIM + d[None, :],
+                        mask=km[:, None] & dmask[None, :], other=0.0)
+            r = tl.dot(qv, tl.trans(t), input_precision=DOT_PREC)
+            tl.store(RH + bh64 * n_tokens * grid_h + tok[:, None] * grid_h + kk[None, :], r.to(RH.dtype.element_ty),
+                     mask=qm[:, None] & km[None, :])
+        if i < grid_w:
+            tok = j * grid_w + i
+            qm = j < grid_h
+            qv = tl.load(q_base + tok[:, None] * stride_qn + d[None, :], mask=qm[:, None] & dmask[None, :], other=0.0)
+            km = kk < grid_w
+            t = tl.load(TW + (i - kk + grid_w - 1)[:, None] * HEAD_DIM + d[None, :],
+                        mask=km[:, None] & dmask[None, :], other=0.0)
+            r = tl.dot(qv, tl.trans(t), input_precision=DOT_PREC)
+            tl.store(RW + bh64 * n_tokens * grid_w + tok[:, None] * grid_w + kk[None, :], r.to(RW.dtype.element_ty),
+                     mask=qm[:, None] & km[None, :])
+
+
+_KERNELS = KernelTable(lambda: {"fwd": _biased_attn_fwd, "relpos_proj": _relpos_proj_kernel})
 
 
 def _check(name: str, t, ndim: int, dtype=None, device=None) -> None:
@@ -248,6 +314,7 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
         n, grid_w, n_prefix, scale * _LOG2E, 1.0 / scale,
         HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=bm, BLOCK_N=bn, ALIGN=align, RELPOS=relpos, ROW_BLOCKS=relpos and grid_w % bn == 0,
+        ROW_PAD=relpos and bn >= grid_w,
         PREFIX_CAUSAL=not relpos,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
@@ -287,3 +354,44 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n
     if not 0 <= n_prefix <= q.shape[2]:
         raise ValueError(f"n_prefix {n_prefix} out of range [0, N={q.shape[2]}]")
     return _launch(q, k, v, None, None, 1, n_prefix, scale, config)
+
+
+def relpos_projections(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Tensor, grid_h: int, grid_w: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAM's per-query rel-pos projections in one launch, q read in place (no copy of a strided
+    view): ``rel_h[b, h, t, kh] = q[b, h, t] . table_h[qh(t) - kh + grid_h - 1]`` and
+    ``rel_w[.., kw] = q . table_w[qw(t) - kw + grid_w - 1]``, t = qh * grid_w + qw.
+
+    q: [B, H, N, D] (any strides, last dim contiguous), N = grid_h * grid_w; table_h / table_w:
+    contiguous [2 * grid_h - 1, D] / [2 * grid_w - 1, D] (already resized to the grid) in q's
+    dtype. Returns rel_h [B, H, N, grid_h] and rel_w [B, H, N, grid_w], contiguous; the dots
+    accumulate in fp32 (IEEE for fp32 inputs) and round once to q's dtype, as einsum's bmm."""
+    _check("q", q, 4)
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
+    b, heads, n, d = q.shape
+    if grid_h * grid_w != n or grid_h < 1 or grid_w < 1:
+        raise ValueError(f"a {grid_h}x{grid_w} grid does not hold N={n} queries")
+    for name, t, g in (("table_h", table_h, grid_h), ("table_w", table_w, grid_w)):
+        _check(name, t, 2, q.dtype, q.device)
+        if tuple(t.shape) != (2 * g - 1, d) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{2 * g - 1}, {d}] table, got {tuple(t.shape)}")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} not supported (1..{_MAX_HEAD_DIM})")
+    rel_h = torch.empty((b, heads, n, grid_h), dtype=q.dtype, device=q.device)
+    rel_w = torch.empty((b, heads, n, grid_w), dtype=q.dtype, device=q.device)
+    if b * heads * n == 0:
+        return rel_h, rel_w
+    ok, why = triton_available_cached()
+    if not ok:
+        raise RuntimeError(f"rel-pos projections need triton: {why}")
+    if q.device.type != "cuda" and not TRITON_INTERPRETED:
+        raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 before triton is imported, for CPU tensors)")
+    grid = (b * heads * max(grid_h, grid_w),)
+    _KERNELS["relpos_proj"][grid](
+        q, table_h, table_w, rel_h, rel_w, *q.stride()[:3], grid_h, grid_w, n,
+        HEADS=heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_L=max(16, triton.next_power_of_2(max(grid_h, grid_w))),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    return rel_h, rel_w

@@ -28,30 +28,45 @@ _ROTARY_HEADS = 4              # heads per rotary program (cos/sin reloaded per 
 if triton is not None:
 
     def _add_ln_kernel(
-        X, DELTA, BIAS, W, B, XOUT, Y, n_rows,
+        X, DELTA, BIAS, W, B, XOUT, Y, ROWS_OF_Y, DELTA_ROWS, n_rows,
         stride_x, stride_d, stride_xo, stride_y, eps,
         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-        HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, Y_GATHER: tl.constexpr, DELTA_GATHER: tl.constexpr,
     ):
         """XOUT = X + DELTA + BIAS (rounded to X's dtype); Y = LayerNorm(XOUT) * W + B.
-        XOUT may alias X: each element is read before it is written, by the same program."""
+        XOUT may alias X: each element is read before it is written, by the same program.
+
+        The programs run over Y's ``n_rows`` rows. With Y_GATHER, Y row r is x row
+        ROWS_OF_Y[r], or a zero row where that is -1 (SAM's windows: Y in window order with the
+        padding, x in grid order); each x row must appear once. With DELTA_GATHER, x row i adds
+        DELTA row DELTA_ROWS[i] (the window-ordered attention output back onto the grid)."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         cmask = cols < HIDDEN
         rows = pid * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_rows
-        mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if Y_GATHER:
+            src = tl.load(ROWS_OF_Y + rows, mask=rmask, other=-1)
+            rmask_x = src >= 0
+            xrows = tl.maximum(src, 0).to(tl.int64)
+        else:
+            rmask_x = rmask
+            xrows = rows.to(tl.int64)
+        mask = rmask_x[:, None] & cmask[None, :]
+        x = tl.load(X + xrows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
-            x += tl.load(DELTA + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if DELTA_GATHER:
+                drows = tl.load(DELTA_ROWS + xrows, mask=rmask_x, other=0).to(tl.int64)
+            else:
+                drows = xrows
+            x += tl.load(DELTA + drows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             x += tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         # the residual stream lives in the model dtype: normalise the rounded value, as the
         # unfused `x = x + linear(..)` followed by `layer_norm(x)` does
         xr = x.to(XOUT.dtype.element_ty)
         if HAS_DELTA or HAS_BIAS:
-            tl.store(XOUT + rows64[:, None] * stride_xo + cols[None, :], xr, mask=mask)
+            tl.store(XOUT + xrows[:, None] * stride_xo + cols[None, :], xr, mask=mask)
         x = xr.to(tl.float32)
         mean = tl.sum(x, axis=1) / HIDDEN
         xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -59,8 +74,10 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(var + eps)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = xc * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        y = tl.where(mask, xc * rstd[:, None] * w[None, :] + b[None, :], 0.0)
+        rows64 = rows.to(tl.int64)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
 
     def _rotary_qk_kernel(
         QK, COS, SIN, n_tok, stride_n, stride_h, stride_cn, stride_sn,
@@ -98,22 +115,26 @@ _KERNELS = KernelTable(lambda: {"add_ln": _add_ln_kernel, "rotary_qk": _rotary_q
 
 def add_layer_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, bias: torch.Tensor | None,
                           weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, out: torch.Tensor | None,
-                          tuning: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          tuning: tuple[int, int] | None = None, rows_of_y: torch.Tensor | None = None,
+                          delta_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch behind ops.norm.add_layer_norm (arguments already validated there).
     ``tuning``: (rows per program, warps) for `bench layers --tune`; the defaults are reasoned,
-    not yet tuned."""
+    not yet tuned. ``rows_of_y`` / ``delta_rows``: int32 row maps (see the kernel)."""
     n, hidden = x.shape
     has_sum = delta is not None or bias is not None
     res = (out if out is not None else torch.empty_like(x)) if has_sum else x
-    y = torch.empty_like(x)
-    if n == 0:
+    n_y = n if rows_of_y is None else rows_of_y.shape[0]
+    y = torch.empty((n_y, hidden), dtype=x.dtype, device=x.device)
+    if n_y == 0:
         return res, y
     block = triton.next_power_of_2(hidden)
     rows, warps = tuning or (_ROWS_PER_PROGRAM, _ADD_LN_WARPS)
-    _KERNELS["add_ln"][(triton.cdiv(n, rows),)](
-        x, delta if delta is not None else x, bias if bias is not None else weight, weight, ln_bias, res, y, n,
+    _KERNELS["add_ln"][(triton.cdiv(n_y, rows),)](
+        x, delta if delta is not None else x, bias if bias is not None else weight, weight, ln_bias, res, y,
+        rows_of_y if rows_of_y is not None else weight, delta_rows if delta_rows is not None else weight, n_y,
         x.stride(0), delta.stride(0) if delta is not None else 0, res.stride(0), y.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, ROWS=rows, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
+        Y_GATHER=rows_of_y is not None, DELTA_GATHER=delta_rows is not None,
         num_warps=warps,
     )
     return res, y
