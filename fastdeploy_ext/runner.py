@@ -61,7 +61,8 @@ class ModelSource:
 class ImageBatch:
     """Preprocessed images packed for one vision pass.
 
-    pixel_values: [N, C, P, P] (or [N, C*P*P]) float32 patches of all images, concatenated.
+    pixel_values: [N, C, P, P] (or [N, C*P*P]) patches of all images, concatenated: float32, or the
+    bytes of a family that normalizes on the device (DeepSeek-OCR-2: uint8).
     grid_thw: each image's (t, h, w) as host ints — the runtime's metadata comes from these.
     """
     pixel_values: torch.Tensor

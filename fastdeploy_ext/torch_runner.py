@@ -357,7 +357,9 @@ class TorchRunner(DeviceRunner):
     def upload_pixels(self, pv: torch.Tensor) -> torch.Tensor:
         if pv.device != self.device and pv.device.type == "cpu":
             pv = self.device_api.pin(pv)
-        return pv.to(self.device, non_blocking=True).to(self.dtype).reshape(pv.shape[0], -1)
+        pv = pv.to(self.device, non_blocking=True)
+        # a family whose processor hands out bytes (DeepSeek-OCR-2) normalizes them on the device
+        return (pv.to(self.dtype) if pv.is_floating_point() else pv).reshape(pv.shape[0], -1)
 
     def encode_images(self, batch: ImageBatch) -> list[torch.Tensor]:
         pv, grids = self.check_batch(batch)

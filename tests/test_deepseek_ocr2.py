@@ -21,7 +21,10 @@ pytest.importorskip("transformers.models.deepseek_ocr2")
 
 from fastdeploy_ext.models.deepseek_ocr2 import tiny  # noqa: E402
 from fastdeploy_ext.models.deepseek_ocr2 import vision as vision_mod  # noqa: E402
-from fastdeploy_ext.models.deepseek_ocr2.config import DeepseekOCR2Config, released_config_json  # noqa: E402
+from fastdeploy_ext.models.deepseek_ocr2.config import (  # noqa: E402
+    DeepseekOCR2Config,
+    released_config_json,
+)
 from fastdeploy_ext.models.deepseek_ocr2.loader import load  # noqa: E402
 from fastdeploy_ext.models.deepseek_ocr2.processor import DeepseekOCR2ImageProcessor  # noqa: E402
 from fastdeploy_ext.models.interface import CheckpointError  # noqa: E402
@@ -142,6 +145,34 @@ def test_processor_bitwise_equal_to_transformers_pil(size):
     if got.num_crops:
         assert torch.equal(torch.stack(crops), want["pixel_values_local"])
     assert got.pixel_values.shape[0] == DeepseekOCR2Config().image_patches(got.num_crops)
+
+
+def _device_under_test() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_bytes_are_normalized_on_the_device_bitwise_as_transformers_does(ours, features):
+    """The processor hands out uint8 patches; the tower's normalization (on the device under test)
+    equals transformers' float64-then-float32 formula on all 256 bytes, and the tower fed the
+    bytes gives the same rows as fed the floats transformers' processor would make; bytes cast
+    without normalizing would not."""
+    import numpy as np
+
+    from fastdeploy_ext.models.deepseek_ocr2.processor import (
+        normalize_reference,
+        to_model_pixels,
+    )
+    u = torch.arange(256, dtype=torch.uint8)
+    dev = to_model_pixels(u.to(_device_under_test()), torch.float32).cpu().numpy()
+    assert np.array_equal(dev.view(np.uint32), normalize_reference(u.numpy()).view(np.uint32))
+    fam, cfg, vis, _, _ = ours
+    pixels, meta, got, _ = features
+    assert pixels.dtype == torch.uint8
+    floats = to_model_pixels(pixels, torch.float32)
+    with torch.inference_mode():
+        assert torch.equal(vis(floats, meta, fam.vision_execution(None, False, False)), got)
+        raw = vis(pixels.to(torch.float32), meta, fam.vision_execution(None, False, False))
+    assert (raw - got).abs().max() > 1e-2
 
 
 def test_the_normalization_check_fires_on_a_formula_that_rounds_differently(monkeypatch):

@@ -105,8 +105,9 @@ class DeepseekOCR2Family(ModelFamily):
         if pv.ndim not in (2, 4) or (pv.shape[0] > 0 and pv[0].numel() != cfg.patch_dim):
             raise BatchError(f"pixel_values must be [N, {c}, {p}, {p}] or [N, {cfg.patch_dim}] patches, "
                              f"got {list(pv.shape)}")
-        if not pv.is_floating_point():
-            raise BatchError(f"pixel_values must be floating point, got {pv.dtype}")
+        if not (pv.is_floating_point() or pv.dtype == torch.uint8):
+            raise BatchError(f"pixel_values must be the processor's uint8 bytes or normalized floating-point "
+                             f"pixels, got {pv.dtype}")
         if len(grids) == 0:
             raise BatchError("empty batch: at least one image is needed")
         out = []

@@ -33,7 +33,7 @@ from torch import nn
 from ...ops.attention.biased import (SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention,
                                      rel_pos_projections)
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
-from .processor import num_crops
+from .processor import num_crops, to_model_pixels
 
 
 # ------------------------------------------------------------------ execution and metadata
@@ -478,9 +478,10 @@ class DeepseekOCR2Vision(nn.Module):
 
     def split_views(self, pixel_values: torch.Tensor, meta: VisionMetadata
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The packed batch's global views and crops, each a [patches, C*P*P] view of it (no
-        copy), in image order: the inputs of the two paths."""
-        x = pixel_values.reshape(pixel_values.shape[0], -1).to(self.projector.weight.dtype)
+        """The packed batch's global views and crops, each a [patches, C*P*P] view of it in the
+        model dtype (the processor's bytes normalized here, on the device), in image order: the
+        inputs of the two paths."""
+        x = to_model_pixels(pixel_values.reshape(pixel_values.shape[0], -1), self.projector.weight.dtype)
         parts = x.split(meta.view_sizes)
         return ([p for p, g in zip(parts, meta.view_is_global) if g],
                 [p for p, g in zip(parts, meta.view_is_global) if not g])
