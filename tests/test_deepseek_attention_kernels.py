@@ -286,7 +286,7 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
     ty = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     consts = dict(HEADS=12, GROUP=1 if relpos else 7, HEAD_DIM=64, BLOCK_D=64, BLOCK_M=bm, BLOCK_N=bn,
                   ALIGN=16 // (2 if dtype == torch.bfloat16 else 4), RELPOS=relpos,
-                  ROW_BLOCKS=relpos and grid_w % bn == 0, PREFIX_CAUSAL=not relpos,
+                  ROW_BLOCKS=relpos and grid_w % bn == 0, ROW_PAD=relpos and bn >= grid_w, PREFIX_CAUSAL=not relpos,
                   DOT_PREC="ieee" if dtype == torch.float32 else "tf32")
     sig = {a: "constexpr" if a in consts else ty if a[0].isupper() else "fp32" if a.endswith("scale") else "i32"
            for a in fn.arg_names}
@@ -299,15 +299,16 @@ def test_the_compiled_kernel_builds_for_sm90_without_a_gpu(relpos, dtype, n):
         assert "wgmma" in ptx                                            # Hopper's tensor-core path
 
 
-def test_default_blocks_keep_every_key_block_of_a_global_grid_in_one_row():
-    """The measured defaults: a key block that divides the grid's width (64 for the 1024 views,
-    16 for the 48-wide crops), so the kernel takes its gather-free ROW_BLOCKS path; windows (14)
-    and the encoder (no grid) their own."""
+def test_default_blocks_hold_one_grid_row_a_key_block():
+    """The measured defaults: a key block holding a whole grid row (64 for the 1024 views and the
+    48-wide crops, 16 for the 14-wide windows), so the kernel takes its gather-free ROW_PAD path;
+    a wider grid a key block dividing its width (ROW_BLOCKS); the encoder (no grid) its own."""
     from fastdeploy_ext.ops.triton.biased_attention import BlockConfig, default_config
     bf16 = torch.bfloat16
-    assert default_config(4096, bf16, 64) == BlockConfig(128, 64, 8, 3)
-    assert default_config(2304, bf16, 48) == BlockConfig(64, 16, 4, 3) and 48 % 16 == 0
+    assert default_config(4096, bf16, 64) == BlockConfig(64, 64, 4, 3)
+    assert default_config(2304, bf16, 48) == BlockConfig(64, 64, 4, 3)
     assert default_config(196, bf16, 14) == BlockConfig(64, 16, 4, 3)
+    assert default_config(96 * 96, bf16, 96) == BlockConfig(64, 32, 4, 3) and 96 % 32 == 0
     assert default_config(512, bf16) == BlockConfig(64, 64, 4, 3)
     assert default_config(4096, torch.float32, 64) == BlockConfig(64, 32, 4, 2)
 

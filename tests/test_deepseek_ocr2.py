@@ -158,10 +158,7 @@ def test_bytes_are_normalized_on_the_device_bitwise_as_transformers_does(ours, f
     without normalizing would not."""
     import numpy as np
 
-    from fastdeploy_ext.models.deepseek_ocr2.processor import (
-        normalize_reference,
-        to_model_pixels,
-    )
+    from fastdeploy_ext.models.deepseek_ocr2.processor import normalize_reference, to_model_pixels
     u = torch.arange(256, dtype=torch.uint8)
     dev = to_model_pixels(u.to(_device_under_test()), torch.float32).cpu().numpy()
     assert np.array_equal(dev.view(np.uint32), normalize_reference(u.numpy()).view(np.uint32))
@@ -175,14 +172,17 @@ def test_bytes_are_normalized_on_the_device_bitwise_as_transformers_does(ours, f
     assert (raw - got).abs().max() > 1e-2
 
 
-def test_the_normalization_check_fires_on_a_formula_that_rounds_differently(monkeypatch):
-    """The float32 shortcut is checked on all 256 bytes at import; (2u - 255) / 255, equal in
-    exact arithmetic, differs on 128 of them in float32, and the check must say so."""
+def test_a_table_that_rounds_differently_fails_the_bitwise_comparison(monkeypatch):
+    """The comparison above can fail: the rescale factor rounded to float32 first (as a float32
+    division by 255 would be) gives another table on some of the 256 bytes."""
+    import numpy as np
+
     from fastdeploy_ext.models.deepseek_ocr2 import processor as proc_mod
-    proc_mod._check_normalize()
-    monkeypatch.setattr(proc_mod, "normalize_", lambda x: x.mul_(2).sub_(255).div_(255))
-    with pytest.raises(RuntimeError, match="rounds differently"):
-        proc_mod._check_normalize()
+    u = torch.arange(256, dtype=torch.uint8)
+    want = proc_mod.normalize_reference(u.numpy()).view(np.uint32)
+    monkeypatch.setattr(proc_mod, "RESCALE", float(np.float32(1 / 255)))
+    got = proc_mod.to_model_pixels(u.to(_device_under_test()), torch.float32).cpu().numpy()
+    assert not np.array_equal(got.view(np.uint32), want)
 
 
 def test_processor_refuses_an_image_above_the_patch_budget():

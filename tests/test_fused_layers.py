@@ -86,7 +86,7 @@ def _check_add_ln_row_maps(device, dtype, views=2, side=7, window=5, hidden=40):
     # ATen's fallback agrees
     r_t, y_t = norm.add_layer_norm_torch(x, d_win, b, w, lb, 1e-6, None, maps.rows, maps.delta_rows)
     assert torch.allclose(y_t.float(), y_ref[maps.rows.clamp(min=0).long()].float().masked_fill(pad[:, None], 0),
-                          rtol=0, atol=1e-4 if dtype == torch.float32 else 3e-2)
+                          rtol=0, atol=1e-4 if dtype == torch.float32 else 8 * 8e-3)   # one rounding vs two, as above
     shifted = torch.roll(maps.delta_rows, 1)
     assert not torch.equal(norm.add_layer_norm(x, d_win, b, w, lb, 1e-6, delta_rows=shifted)[1], y_ref)
 

@@ -244,3 +244,20 @@ def test_banned_ids_are_masked_on_the_device_without_a_host_sync(greedy):
     out = sample(host, [SampleRequest(temperature=0.0 if greedy else 0.7, banned_ids=(3, 5),
                                       generator=torch.Generator().manual_seed(i)) for i in range(4)])
     assert not {3, 5} & set(out.token_ids) and all(e is None for e in out.errors)
+
+
+@pytest.mark.parametrize("chunks", [4, 8, 32])
+def test_row_max_in_pieces_equals_one_pass(chunks):
+    """The two-reduction row max (CUDA's greedy path) against logits.max(-1): random rows, a tie
+    across pieces (the first occurrence wins), a row of -inf, a NaN row (NaN is the maximum)."""
+    from fastdeploy_ext.ops.sampler import row_chunks, row_max
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1024, generator=g)
+    logits[1, 7] = logits[1, 900] = logits[1, 300] = 50.0           # ties in three pieces
+    logits[2] = float("-inf")
+    logits[3, 513] = float("nan")
+    want_v, want_i = logits.max(dim=-1)
+    got_v, got_i = row_max(logits, chunks)
+    assert torch.equal(got_i, want_i) and got_i[1] == 7
+    assert torch.equal(got_v[~want_v.isnan()], want_v[~want_v.isnan()]) and got_v[3].isnan()
+    assert row_chunks(129280) == 128 and row_chunks(1000) is None

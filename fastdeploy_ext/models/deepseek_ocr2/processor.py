@@ -7,13 +7,11 @@
   while the image's area exceeds half the tiles'), the image resized to it (bicubic) and cut in
   raster order.
 - Every view: uint8 -> x / 255 (float64, then float32) -> (x - 0.5) / 0.5, as transformers' PIL
-  processor does, so the pixels are bitwise its own. We compute it as ((float32(u) / 255) - 0.5)
-  / 0.5 in float32: the value depends on the byte alone and the two formulas agree on all 256
-  bytes (``normalize_`` says so at import time, where a CPU that rounded otherwise would fail
-  loudly). The processor hands out the patches as bytes (``pixel_values`` uint8) and the tower
-  normalizes them on the device (``to_model_pixels``, the same IEEE float32 arithmetic, tested
-  bitwise against this one): the host cuts and moves bytes instead of floats, and a six-crop
-  page uploads 4.4 MB instead of 17.6.
+  processor does. The value depends on the byte alone, so the processor hands out the patches
+  as bytes (``pixel_values`` uint8) and the tower maps them through a 256-entry table of that
+  formula made on its device (``to_model_pixels``; bitwise transformers' on all 256 bytes,
+  tested on CPU and CUDA): the host cuts and moves bytes, and a six-crop page uploads 4.4 MB
+  instead of 17.6.
 
 The engine packs images by concatenating their ``pixel_values`` along dim 0, and views of two
 sizes cannot be stacked, so each view is cut into its 16x16 patches (channel-major, raster
@@ -46,29 +44,17 @@ def normalize_reference(u: np.ndarray) -> np.ndarray:
     return (x - np.float32(0.5)) / np.float32(0.5)
 
 
-def normalize_(x: torch.Tensor) -> torch.Tensor:
-    """In place on float32 bytes-as-floats: ((x / 255) - 0.5) / 0.5, equal to the reference."""
-    return x.div_(255).sub_(0.5).div_(0.5)
-
-
 def to_model_pixels(pixel_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Patches in the model's dtype, wherever they are: bytes (the processor's) normalized in
-    float32 first, floating-point pixels (already normalized: transformers' tensors) cast."""
-    if pixel_values.dtype == torch.uint8:
-        return normalize_(pixel_values.to(torch.float32)).to(dtype)
-    return pixel_values.to(dtype)
-
-
-def _check_normalize() -> None:
-    u = np.arange(256, dtype=np.uint8)
-    ours = normalize_(torch.from_numpy(u).to(torch.float32)).numpy()
-    if not np.array_equal(ours.view(np.uint32), normalize_reference(u).view(np.uint32)):
-        bad = int(np.flatnonzero(ours != normalize_reference(u))[0])
-        raise RuntimeError(f"DeepSeek-OCR-2 pixel normalization: byte {bad} gives {ours[bad]!r}, transformers' "
-                           f"{normalize_reference(u)[bad]!r}; this CPU's float32 division rounds differently")
-
-
-_check_normalize()
+    """Patches in the model's dtype, wherever they are: bytes (the processor's) through a
+    256-entry table of transformers' formula made on the same device (float64 rescale, float32
+    normalize: IEEE operations every device rounds alike; a float32 division by 255 would not
+    be, CUDA's divides by a scalar as a multiplication by its reciprocal), floating-point pixels
+    (already normalized: transformers' tensors) cast."""
+    if pixel_values.dtype != torch.uint8:
+        return pixel_values.to(dtype)
+    table = torch.arange(256, dtype=torch.float64, device=pixel_values.device).mul_(RESCALE).to(torch.float32)
+    table = table.sub_(0.5).div_(0.5).to(dtype)
+    return table.index_select(0, pixel_values.reshape(-1).to(torch.int32)).view(pixel_values.shape)
 
 
 def num_crops(grid) -> int:

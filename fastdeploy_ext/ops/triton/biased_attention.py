@@ -5,9 +5,12 @@ Triton: one kernel, two launchers.
   (grid cell (qh, qw)) against key k (cell (kh, kw)) are ``scale * q.k + rel_h[q, kh] +
   rel_w[q, kw]``, where ``rel_h = q . Rh[qh - kh]`` ([B, H, N, grid_h]) and ``rel_w = q .
   Rw[qw - kw]`` ([B, H, N, grid_w]) are the small per-query projections the reference computes
-  with einsum. The kernel gathers the two terms per tile (a key's row and column are its index
-  // and % the grid width), so the [N, N] bias is never materialized; 14x14 windows and the
-  64x64 / 48x48 global grids are the same launch with another grid.
+  with einsum (:func:`relpos_projections` computes them reading q in place). The kernel adds
+  the two terms per tile, so the [N, N] bias is never materialized; with a key block holding
+  one whole grid row (ROW_PAD: SAM's 14-, 48- and 64-wide grids) that is one rel_h value per
+  query and the query block's rel_w run, loaded once; otherwise they are gathered per key (its
+  row and column are its index // and % the grid width). Windows and global grids are the same
+  launch with another grid.
 - :func:`prefix_causal_attention`: the Qwen2 encoder's mask as index arithmetic: key j is
   visible to query i when ``j <= max(i, n_prefix - 1)`` (the visual prefix bidirectional, the
   learned queries after it causal and seeing the whole prefix); grouped-query heads read their
@@ -54,24 +57,24 @@ class BlockConfig(tuple):
 
 
 def default_config(n_tokens: int, dtype: torch.dtype, grid_w: int | None = None) -> BlockConfig:
-    """Hopper defaults (bf16 sweep on the H200, ci/results/2026-12-02-h200-s11). ``grid_w``: the
-    rel-pos grid's width (None: the prefix-causal encoder).
-    - Rel-pos grids whose width a key block divides (64 of the global views, 48 of the crops):
-      the widest such block (64, else 32, else 16), so every key block lies in one grid row (the
-      kernel's ROW_BLOCKS path: no per-key gathers of the bias); 128 query rows with 64 keys
-      (16 views: 3.5 ms, 64 rows 3.7 ms), 64 rows with 16 keys (96 crops: 9.2 ms, 128 rows 10.1).
-    - Windows (14x14, no block divides 14): 64 x 16 (0.71 ms for 16 views' 400 windows, 64 x 64
-      0.82).
+    """Hopper defaults (bf16 sweeps on the H200: ci/results/2026-12-02-h200-s11 and
+    2026-12-03-h200-s16). ``grid_w``: the rel-pos grid's width (None: the prefix-causal encoder).
+    - Rel-pos grids up to 64 wide (all of SAM's: 14x14 windows, 48x48 crops, 64x64 views): 64
+      query rows against key blocks of one whole grid row (the kernel's ROW_PAD path: rel_w
+      loaded once per query block, one rel_h value per key block, no gathers), 4 warps. 96
+      crops' global layer 6.5 ms (16-key blocks in a row: 9.2), 16 views' 2.8 ms (128 x 64:
+      3.8), 16 views' 400 windows 0.48 ms (per-key gathers: 0.71).
+    - Wider grids: the widest key block dividing the width (one grid row a block, ROW_BLOCKS).
     - The encoder (288 / 512 tokens): 64 x 64, 4 warps.
     fp32 halves the key block (registers)."""
     if dtype == torch.float32:
         return BlockConfig(64, 32, 4, 2)
     if grid_w is None:
         return BlockConfig(64, 64, 4, 3)
-    bn = next((b for b in (64, 32, 16) if grid_w % b == 0), None)
-    if n_tokens >= 1024 and bn is not None:
-        return BlockConfig(128, 64, 8, 3) if bn == 64 else BlockConfig(64, bn, 4, 3)
-    return BlockConfig(64, 16, 4, 3)
+    if grid_w <= 64:
+        return BlockConfig(64, max(16, 1 << (grid_w - 1).bit_length()), 4, 3)
+    bn = next((b for b in (64, 32, 16) if grid_w % b == 0), 16)
+    return BlockConfig(64, bn, 4, 3)
 
 
 if triton is not None:
