@@ -144,5 +144,5 @@ class DeepseekOCR2Conformance(ConformanceFixture):
             "bad_rank": (torch.randn(4, 3, 16), [(1, 1, 1)], "pixel_values must be"),
             "bad_patch": (torch.randn(n, 3, 14, 14), [(1, 1, 1)], "pixel_values must be"),
             "not_thw": (torch.randn(n, 3, 16, 16), [(1, 1)], r"\(views, rows, cols\)"),
-            "int_pixels": (torch.zeros(n, 3, 16, 16, dtype=torch.int64), [(1, 1, 1)], "floating point"),
+            "int_pixels": (torch.zeros(n, 3, 16, 16, dtype=torch.int64), [(1, 1, 1)], "uint8 bytes or normalized floating-point"),
         }
