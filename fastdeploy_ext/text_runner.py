@@ -373,8 +373,8 @@ class DecodeGraphs:
         rows = [i for i, s in enumerate(step.seqs) if s.need_logits]
         out = self.out[bucket]
         if len(rows) == b:
-            # a view of the graph's static output, no copy: the engine samples from it (editing it
-            # in place) right after this call, and the stream runs those kernels before the next
-            # replay overwrites it
-            return out[:b]
+            # the graph's static output is overwritten by the next replay: a caller that keeps
+            # logits across steps gets its own copy; the engine, which samples them on the stream
+            # before its next step, borrows the buffer (no copy of [b, vocab] a step)
+            return out[:b] if step.borrow_logits else out[:b].clone()
         return out.index_select(0, self.r.upload(torch.as_tensor(rows, dtype=torch.int64)))

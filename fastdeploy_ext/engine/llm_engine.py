@@ -567,7 +567,7 @@ class LLMEngine:
     def _build_batch(self, sched: SchedulerOutput, prev: InFlight | None = None) -> StepBatch:
         if not sched.is_prefill:
             steps, from_device = self._decode_steps(sched.scheduled, prev)
-            return StepBatch(False, steps, prev.sample.token_ids if from_device else None)
+            return StepBatch(False, steps, prev.sample.token_ids if from_device else None, borrow_logits=True)
         # a mixed step's decode rows come first (scheduler.py), in the order their logits rows are sampled
         n_dec = sched.num_decode_rows
         steps, from_device = self._decode_steps(sched.scheduled[:n_dec], prev) if n_dec else ([], False)
@@ -591,7 +591,8 @@ class LLMEngine:
             steps.append(SeqStep(seq.seq_id, seq.token_ids[s.start:s.end], s.start, seq.block_table,
                                  seq.positions(s.start, s.end), seq.prompt.rope_delta,
                                  self._embeds(seq, s.start, s.end), need_logits=s.completes_prefill))
-        return StepBatch(True, steps, prev.sample.token_ids if from_device else None, num_decode_rows=n_dec)
+        return StepBatch(True, steps, prev.sample.token_ids if from_device else None, num_decode_rows=n_dec,
+                         borrow_logits=True)
 
     # ------------------------------------------------------------------ observability
     @property

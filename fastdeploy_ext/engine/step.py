@@ -63,6 +63,10 @@ class StepBatch:
     num_decode_rows: int = 0             # a mixed prefill step: its first rows are decode rows (one
                                          # token each, no rope_positions); the runner may attend them
                                          # with its decode kernel and the rest with its prefill kernel
+    borrow_logits: bool = False          # the caller consumes the logits before its next step (the
+                                         # engine samples them on the stream right away): the runner
+                                         # may return a view of a buffer that the next step reuses
+                                         # (the decode graph's static output) instead of a copy
 
     @property
     def num_tokens(self) -> int:
