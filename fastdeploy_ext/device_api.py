@@ -118,6 +118,11 @@ class DeviceAPI:
         """A side stream to warm up and capture on."""
         raise self._no("graphs")
 
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (its kernels then run only at replay:
+        nothing made now may be cached as if it were computed). No graphs here: never."""
+        return False
+
     def capture_graph(self, forward: Callable[[], T], pool, stream=None, warmup: int = 2) -> tuple[object, T]:
         """Warm ``forward`` up ``warmup`` times on a side stream (``stream``, or a fresh one),
         then capture one call into a graph allocating from ``pool`` (captured on ``stream``, or

@@ -307,7 +307,8 @@ def test_interp_broken_grouping_or_weights_are_seen(fault, monkeypatch):
     else:
         monkeypatch.setattr(gm, "align_by_expert", broken)
         got = gm.grouped_moe(x, w, idx, gate_up, down, gm.MoEBlocks(16, 16, 16))
-    assert (got - want).abs().max().item() > 1e-2
+    # rows a dropped block never writes hold whatever the allocator left: NaN counts as a difference
+    assert not torch.allclose(got, want, rtol=0, atol=1e-2)
 
 
 @interp

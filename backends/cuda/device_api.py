@@ -86,6 +86,9 @@ class CudaDeviceAPI(DeviceAPI):
     def new_stream(self):
         return torch.cuda.Stream(self.device)
 
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     def capture_graph(self, forward, pool, stream=None, warmup: int = 2):
         side = stream if stream is not None else torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)

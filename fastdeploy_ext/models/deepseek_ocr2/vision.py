@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...device_api import device_api_for
 from ...ops.attention.biased import (SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention,
                                      rel_pos_projections)
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
@@ -243,7 +244,7 @@ class Sam(nn.Module):
         maps = self._window_maps.get(key)
         if maps is None:
             maps = WindowMaps.build(views, side, window, device)
-            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not device_api_for(device).is_capturing():
                 self._window_maps[key] = maps
         return maps
 
