@@ -291,8 +291,18 @@ def failure_tail(log: str, lines: int = 25) -> list[str]:
     return failures + last
 
 
+def lane_threads(jobs: int, cores: int | None = None) -> int | None:
+    """Intra-op threads for each of ``jobs`` legs run at once: the cores split between them, so two
+    torch processes do not each spin a thread per core (OpenMP's barriers then wait on a core the
+    other lane holds: a leg of many small ops ran 8-16x slower beside cpu/unit on 2 cores). None:
+    one leg at a time, torch's own default."""
+    if jobs <= 1:
+        return None
+    return max(1, (cores or os.cpu_count() or 1) // jobs)
+
+
 def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[str], host: str = "ci",
-            time_left: float | None = None) -> LegResult:
+            time_left: float | None = None, threads: int | None = None) -> LegResult:
     budget = leg.budgets[host]
     limit = budget * HANG_FACTOR if time_left is None else min(budget * HANG_FACTOR, time_left)
     junit, log_path = out_dir / f"{leg.slug}.xml", out_dir / f"{leg.slug}.log"
@@ -305,6 +315,8 @@ def run_leg(leg: Leg, matrix: Matrix, out_dir: Path, python: str, extra: list[st
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}",
            "-o", f"junit_suite_name={leg.name}", "-o", "junit_logging=system-out", *RUNS[leg.runs].args(leg, matrix), *extra]
     env = dict(os.environ, **leg.env)
+    if threads is not None and "OMP_NUM_THREADS" not in env:   # the caller's or the leg's own setting wins
+        env["OMP_NUM_THREADS"] = str(threads)
     pypath = [str(ROOT)]
     if leg.block_transformers:
         # ci/no_transformers.py: every import of transformers raises ImportError, as if absent
@@ -449,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run_matrix: host={host}; devices here: " +
           "; ".join(f"{d}: {'yes' if ok else 'no'} ({why})" for d, (ok, why) in devices.items()), flush=True)
     start = time.monotonic()
+    jobs = args.jobs if args.jobs is not None else (1 if host == "gpu" else CI_JOBS)
+    threads = lane_threads(jobs)
 
     def one(leg: Leg) -> LegResult:
         time_left = None if args.deadline_s is None else args.deadline_s - (time.monotonic() - start)
@@ -468,14 +482,16 @@ def main(argv: list[str] | None = None) -> int:
             write_error_junit(out / f"{leg.slug}.xml", leg, res.detail)
         else:
             print(f"=== {leg.name} (budget {leg.budgets[host]}s)", flush=True)
-            res = run_leg(leg, matrix, out, args.python, args.pytest_args, host, time_left)
+            res = run_leg(leg, matrix, out, args.python, args.pytest_args, host, time_left, threads)
             if args.strict_budgets and res.result == "PASS" and res.seconds > res.budget:
                 res.result = "FAIL"
             tail = ("\n    " + "\n    ".join(failure_tail((out / f"{leg.slug}.log").read_text()))) if res.failed else ""
             print(f"    {leg.name}: {res.result} in {res.seconds:.1f}s {res.detail}{tail}", flush=True)
         return res
 
-    jobs = args.jobs if args.jobs is not None else (1 if host == "gpu" else CI_JOBS)
+    if threads is not None and not args.list:
+        print(f"run_matrix: {jobs} legs at a time, OMP_NUM_THREADS={threads} each ({os.cpu_count()} cores; "
+              "a leg's own env or the caller's OMP_NUM_THREADS wins)", flush=True)
     results = run_in_lanes(legs, one, jobs, key=lambda leg: leg.budgets.get(host) or 0)
     if jobs > 1 and not args.list:
         print(f"run_matrix: {jobs} legs at a time; {time.monotonic() - start:.0f}s wall for "

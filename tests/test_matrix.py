@@ -267,3 +267,10 @@ def test_a_leg_with_pip_runs_in_its_own_environment_and_a_broken_one_fails(tmp_p
     assert not (tmp_path / "venvs" / "broken").exists()
     assert run_matrix.main(args + ["--legs", "own"]) == 0
     assert "reused" in capsys.readouterr().out
+
+
+def test_lanes_split_the_cores_between_them():
+    assert run_matrix.lane_threads(1, cores=2) is None          # one leg at a time: torch's default
+    assert run_matrix.lane_threads(2, cores=2) == 1
+    assert run_matrix.lane_threads(2, cores=16) == 8
+    assert run_matrix.lane_threads(3, cores=2) == 1             # never zero threads
