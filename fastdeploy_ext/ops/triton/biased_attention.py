@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .runtime import TRITON_INTERPRETED, KernelTable, tl, triton, triton_available_cached
+from .runtime import KernelTable, require_launchable, tl, triton
 
 __all__ = ["BlockConfig", "default_config", "prefix_causal_attention", "relpos_attention", "relpos_projections"]
 
@@ -292,12 +292,7 @@ def _launch(q, k, v, rel_h, rel_w, grid_w: int, n_prefix: int, scale: float, con
     out = torch.empty((b, n, heads, d), dtype=q.dtype, device=q.device)
     if b * heads * n == 0:
         return out.transpose(1, 2)
-    ok, why = triton_available_cached()
-    if not ok:
-        raise RuntimeError(f"biased attention needs triton: {why}")
-    if q.device.type != "cuda" and not TRITON_INTERPRETED:
-        raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
-                         "(or TRITON_INTERPRET=1 before triton is imported, for CPU tensors)")
+    require_launchable("biased attention", q)
     relpos = rel_h is not None
     if relpos:
         rh_strides, rw_strides = rel_h.stride()[:3], rel_w.stride()[:3]
@@ -385,12 +380,7 @@ def relpos_projections(q: torch.Tensor, table_h: torch.Tensor, table_w: torch.Te
     rel_w = torch.empty((b, heads, n, grid_w), dtype=q.dtype, device=q.device)
     if b * heads * n == 0:
         return rel_h, rel_w
-    ok, why = triton_available_cached()
-    if not ok:
-        raise RuntimeError(f"rel-pos projections need triton: {why}")
-    if q.device.type != "cuda" and not TRITON_INTERPRETED:
-        raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
-                         "(or TRITON_INTERPRET=1 before triton is imported, for CPU tensors)")
+    require_launchable("rel-pos projections", q)
     grid = (b * heads * max(grid_h, grid_w),)
     _KERNELS["relpos_proj"][grid](
         q, table_h, table_w, rel_h, rel_w, *q.stride()[:3], grid_h, grid_w, n,

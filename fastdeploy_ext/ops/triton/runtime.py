@@ -104,6 +104,17 @@ def triton_available_cached() -> tuple[bool, str]:
     return triton_available()
 
 
+def require_launchable(what: str, t: torch.Tensor) -> None:
+    """Raise a clear error unless ``what``'s Triton kernel can run on ``t``: triton importable with
+    a CUDA device, and ``t`` on CUDA (or on the CPU under the interpreter)."""
+    ok, why = triton_available_cached()
+    if not ok:
+        raise RuntimeError(f"{what} needs triton: {why}")
+    if t.device.type != "cuda" and not TRITON_INTERPRETED:
+        raise ValueError(f"{what}: the input is on {t.device}, the compiled kernel needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 before triton is imported, for CPU tensors)")
+
+
 def usable_on(device: torch.device) -> bool:
     """Our Triton kernels can run on tensors of ``device`` (CUDA, or CPU under the interpreter)."""
     if triton is None:

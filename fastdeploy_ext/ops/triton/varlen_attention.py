@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .runtime import TRITON_INTERPRETED, KernelTable, tl, triton, triton_available_cached
+from .runtime import KernelTable, require_launchable, tl, triton
 
 __all__ = [
     "BLOCK_M",
@@ -418,12 +418,7 @@ def varlen_attention(
     if num_blocks == 0 or n_tok == 0 or n_heads == 0:
         return out
 
-    ok, why = triton_available_cached()
-    if not ok:
-        raise RuntimeError(f"varlen_attention needs triton: {why}")
-    if q.device.type != "cuda" and not TRITON_INTERPRETED:
-        raise ValueError(f"q is on {q.device}: the compiled kernel needs CUDA tensors "
-                         "(or set TRITON_INTERPRET=1 for CPU tensors)")
+    require_launchable("varlen_attention", q)
 
     # int32 in-sequence offsets: rows * stride must fit
     max_stride = max(q.stride(0), k.stride(0), v.stride(0), out.stride(0))
