@@ -87,3 +87,53 @@ def test_staged_inputs_equal_the_eager_step_inputs():
         assert dg.h_tables[i, :n].tolist() == ref.meta.block_tables[i, :n].tolist()
     assert dg.h_scalars[:, 2:4].tolist() == [[0, 0], [0, 0], [scratch * bs] * 2]
     assert dg.h_ctx[2:4].tolist() == [1, 1] and dg.h_tables[2:4, 0].tolist() == [scratch] * 2
+
+
+class _CountingGraph:
+    """Stands in for a captured graph: each replay overwrites the bucket's static output with the
+    replay's number, as a real replay overwrites it with that step's logits."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out, self.n = out, 0
+
+    def replay(self):
+        self.n += 1
+        self.out.fill_(self.n)
+
+
+def _with_counting_graphs(dg: DecodeGraphs) -> DecodeGraphs:
+    for b in dg.sizes:
+        dg.out[b] = torch.zeros(b, 64)
+        dg.graphs[b] = _CountingGraph(dg.out[b])
+    return dg
+
+
+def _kept_logits(dg: DecodeGraphs, borrow: bool) -> list[float]:
+    kept = []
+    for k in range(3):
+        step = _decode_step([(5, 10 + k, [3], 0), (6, 20 + k, [1, 2], 0)])
+        step.borrow_logits = borrow
+        kept.append(dg.run(step))
+    return [t[0, 0].item() for t in kept]
+
+
+def test_logits_kept_across_steps_are_each_steps_own():
+    """A caller that keeps a step's logits past the next replay (the conformance suite's
+    teacher-forced text check does) gets a copy; the engine, which samples before its next step,
+    borrows the static output (views of one buffer: all read the last replay)."""
+    dg = _with_counting_graphs(_graphs())
+    assert _kept_logits(dg, borrow=False) == [1.0, 2.0, 3.0]
+    assert _kept_logits(dg, borrow=True) == [6.0, 6.0, 6.0]
+
+
+def test_returning_views_to_every_caller_is_caught(monkeypatch):
+    """Mutation: run() handing out the static output to every caller (the bug the cuda
+    conformance leg found) makes the kept logits all equal the last replay's."""
+    dg = _with_counting_graphs(_graphs())
+    real = DecodeGraphs.run
+
+    def always_borrow(self, step):
+        step.borrow_logits = True
+        return real(self, step)
+    monkeypatch.setattr(DecodeGraphs, "run", always_borrow)
+    assert _kept_logits(dg, borrow=False) != [1.0, 2.0, 3.0]
