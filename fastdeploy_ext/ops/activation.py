@@ -14,6 +14,8 @@ def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str, 
                 cuda_epilogue: bool = True) -> torch.Tensor:
     """GELU(x @ w.T + b), the GELU fused into the GEMM where a library does it:
     * CUDA (``cuda_epilogue``, the fused-layers plan), tanh GELU: cuBLASLt's bias+GELU epilogue;
+    * CUDA (``cuda_epilogue``), erf GELU (``approx="none"``): our Triton GEMM with a bias+GELU
+      epilogue (ops/triton/gemm_gelu.py; cuBLASLt only has the tanh one), rows contiguous;
     * CPU in bf16: oneDNN's linear with a GELU post-op, applied to the fp32 accumulator before the
       bf16 rounding (ATen's separate bf16 GELU costs as much as the GEMM at 1536 tokens: 8.5 vs
       8.5 ms on a 2-core Sapphire Rapids; fused 11 ms);
@@ -25,6 +27,11 @@ def linear_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, approx: str, 
             if addmm_activation is not None:
                 return addmm_activation(b, x, w.t(), use_gelu=True)
             log_once(GELU_UNFUSED_NOTE)
+        elif approx == "none" and cuda_epilogue and x.dim() == 2 and x.stride(1) == 1 and w.stride(1) == 1:
+            from .triton.runtime import kernels_usable
+            if kernels_usable(x):
+                from .triton.gemm_gelu import linear_gelu_erf
+                return linear_gelu_erf(x, w, b)
     elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
         usable, why = onednn_linear_gelu_usable(x.dtype)
         if usable:

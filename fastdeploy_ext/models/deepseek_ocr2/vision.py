@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...device_api import device_api_for
+from ...ops.activation import linear_gelu
 from ...ops.attention.biased import (SDPA_BIAS, SDPA_MASK, PrefixCausalAttention, RelPosAttention,
                                      rel_pos_projections)
 from .config import DeepseekOCR2Config, EncoderConfig, SamConfig
@@ -219,7 +220,9 @@ class Sam(nn.Module):
         its first norm's pass (the output rows gathered in window order, the padding zero) and its
         un-partition in the second's (the attention's window rows added back onto the grid): no
         copy of the activations for the windows, no strided add. The rel-pos projections read q
-        in place (our kernel). Each GEMM's bias is added in the next pass, except the last."""
+        in place (our kernel). The MLP's erf GELU rides in its fc1 GEMM's epilogue
+        (ops/activation.linear_gelu: our Triton GEMM on CUDA, ATen's two ops elsewhere). Each other
+        GEMM's bias is added in the next pass, except the last."""
         from ...ops.norm import add_layer_norm
         d = x.shape[1]
         delta = bias = h = None
@@ -232,7 +235,7 @@ class Sam(nn.Module):
             a = torch.mm(blk.attn.attend(y.view(b, s, s, d), ex, fused=True).view(-1, d), blk.attn.proj.weight.t())
             x, y = add_layer_norm(x, a, blk.attn.proj.bias, n2.weight, n2.bias, n2.eps, out=x,
                                   delta_rows=maps.delta_rows if maps else None)
-            h = F.gelu(blk.mlp.lin1(y))
+            h = linear_gelu(y, blk.mlp.lin1.weight, blk.mlp.lin1.bias, "none")
             delta, bias = torch.mm(h, blk.mlp.lin2.weight.t()), blk.mlp.lin2.bias
         return x + self.blocks[-1].mlp.lin2(h)
 
