@@ -34,9 +34,11 @@
 #                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
 #   deepseek_decode (not in "all")  DeepSeek-OCR-2's decode step at batch 64 with ~2k context: ci/step_profile.py
 #                (step times, then the profiled kernels of those steps against their wall time)
+#   gemm_gelu (not in "all")  the GEMM with the erf GELU in its epilogue (SAM's fc1): tests/test_gemm_gelu.py on
+#                CUDA, then `python3 -m fastdeploy_ext.bench.gemm_gelu` (ATen linear + gelu vs ours, a tile sweep)
 #   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
 #                on CUDA (replay == eager bitwise per path) and bench vision eager vs graphed
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_graphs]...
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_graphs|gemm_gelu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -137,6 +139,14 @@ if [[ " $steps " == *" deepseek_decode "* ]]; then
     ${DSD_ARGS:---batches 64 --tokens 64 --rounds 2 --context 1900 --profile-batch 64 --profile-steps 20} \
     > "$OUT/deepseek_decode.txt" 2>&1 || rc=1
   grep -E "decode step median|a step|prompt tokens|async scheduling|Traceback|Error" "$OUT/deepseek_decode.txt" | tail -8
+fi
+if [[ " $steps " == *" gemm_gelu "* ]]; then
+  timeout ${GG_TESTS_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider -rs tests/test_gemm_gelu.py \
+    > "$OUT/gemm_gelu_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/gemm_gelu_tests.txt"
+  timeout ${GG_BENCH_TIMEOUT:-180} python3 -m fastdeploy_ext.bench.gemm_gelu ${GG_BENCH_ARGS:-} \
+    > "$OUT/gemm_gelu.txt" 2>&1 || rc=1
+  tail -16 "$OUT/gemm_gelu.txt"
 fi
 if [[ " $steps " == *" deepseek_graphs "* ]]; then
   timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \

@@ -34,6 +34,7 @@ calling function: the per-image slope says what still costs per image (device in
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -87,6 +88,37 @@ def timed_step(engine: LLMEngine) -> tuple[str | None, float, int]:
     if st.num_prefill_steps > counts[0]:
         return "prefill", dt, running
     return ("decode" if st.num_decode_steps > counts[1] else None), dt, running
+
+
+class GcPauses:
+    """The garbage collector's pauses while it is on: collections by generation and their wall
+    time (gc.callbacks), to tell a collection from a device wait in a step's idle gaps."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _hook(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def __enter__(self):
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._hook)
+
+    def summary(self) -> str:
+        if not self.pauses:
+            return "no collections"
+        by_gen = [sum(1 for g, _ in self.pauses if g == n) for n in range(3)]
+        total = sum(d for _, d in self.pauses)
+        return (f"{len(self.pauses)} collections (gen0/1/2: {by_gen[0]}/{by_gen[1]}/{by_gen[2]}), "
+                f"{total * 1e3:.2f} ms in all, longest {max(d for _, d in self.pauses) * 1e3:.3f} ms; "
+                f"frozen objects {gc.get_freeze_count()}")
 
 
 def decode_step_times(engine: LLMEngine, batch: int, tokens: int, tag: str, repeats: int = 0) -> list[float]:
@@ -452,6 +484,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlapped scheduling on or off (default: --prefill off, so each step's kernels end "
                          "inside it; decode the capability row's default)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="decode: gc.collect() then gc.freeze() once the engine is built (the collector then "
+                         "skips what startup made); each round prints the collections during its steps either way")
     ap.add_argument("--label", default="")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=200)
@@ -483,6 +518,10 @@ def main() -> None:
                        max_num_seqs=max(64, *batches, args.profile_batch), max_model_len=max_len,
                        gpu_memory_utilization=0.5, async_scheduling=args.async_scheduling)
     engine = LLMEngine(cfg)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        print(f"[{args.label}] gc: {gc.get_freeze_count()} objects frozen after startup")
     print(f"[{args.label}] async scheduling {'on' if engine.async_scheduling.value else 'off'} "
           f"({engine.async_scheduling.reason})")
     repeats = 0
@@ -492,9 +531,10 @@ def main() -> None:
     decode_step_times(engine, 1, 32, "warm")
     for r in range(args.rounds):
         for b in batches:
-            t = decode_step_times(engine, b, args.tokens, f"r{r}b{b}", repeats)
+            with GcPauses() as pauses:
+                t = decode_step_times(engine, b, args.tokens, f"r{r}b{b}", repeats)
             print(f"[{args.label}] round {r} batch {b}: decode step median {statistics.median(t) * 1e3:.3f} ms, "
-                  f"p10 {sorted(t)[len(t) // 10] * 1e3:.3f} ms over {len(t)} steps", flush=True)
+                  f"p10 {sorted(t)[len(t) // 10] * 1e3:.3f} ms over {len(t)} steps; gc: {pauses.summary()}", flush=True)
     pb = args.profile_batch
     if args.find_syncs:
         find_syncs(engine, pb, args.find_syncs, repeats, args.label)

@@ -148,8 +148,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         "down": ({"H": "*bf16", "W": "*bf16", "RW": "*fp32", "Y": "*bf16", "s_ht": "i32", "s_yt": "i32", **gemm},
                  tiles, 4),
         "align": ({"IDS": "*i64", "ROWS": "*i32", "BLOCK_EXPERT": "*i32", "M": "i32", "CAP": "i32",
-                   **{k: "constexpr" for k in ("E", "E_PAD", "BM", "CHUNK", "FILL")}},
-                  {"E": 64, "E_PAD": 64, "BM": cfg.block_m, "CHUNK": gm.ALIGN_CHUNK, "FILL": gm.ALIGN_FILL}, 8),
+                   **{k: "constexpr" for k in ("E", "E_PAD", "BM", "CHUNK")}},
+                  {"E": 64, "E_PAD": 64, "BM": cfg.block_m, "CHUNK": gm.ALIGN_CHUNK}, 4),
     }
     for name, (sig, consts, warps) in kernels.items():
         fn = gm._KERNELS[name]
@@ -234,7 +234,7 @@ CASES = {
                                            (50, 6, 20, 16),      # 300 rows: several chunks of the kernel
                                            (200, 6, 64, 4)])     # 348 blocks: several chunks of block owners
 def test_interp_grouping_kernel_equals_the_torch_ops(t, k, e, block_m):
-    """The single-program grouping kernel gives the torch grouping's tensors exactly (so the
+    """The grouping kernel (a program per expert and one for the tail) gives the torch grouping's tensors exactly (so the
     torch version's checks above hold for it), and is what decode-sized batches use."""
     _, idx = _routing(t, k, e, seed=t, every_token_to=3 if t >= 40 else None)
     want = gm.align_by_expert(idx, e, block_m, kernel=False)

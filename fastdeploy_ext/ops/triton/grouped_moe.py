@@ -3,7 +3,7 @@
 The token x expert assignments (T tokens x k experts each: M = T*k rows) are grouped by expert
 on the device (:func:`align_by_expert`): the rows in expert order (stable), each expert's run
 padded up to a multiple of the row block ``block_m``, so every block of ``block_m`` rows belongs
-to one expert. One single-program kernel does it for decode-sized batches, fixed-shape torch
+to one expert. One kernel of a program per expert does it for decode-sized batches, fixed-shape torch
 ops (a count by scatter, cumulative sums, a sort, a searchsorted) for larger ones: no value is
 read back to the host, so a decode step that runs it can be captured in a CUDA graph. The
 buffer of grouped rows has a static capacity (each non-empty expert wastes at most
@@ -62,12 +62,11 @@ def grouped_capacity(assignments: int, num_experts: int, block_m: int) -> int:
 
 
 #: batches of at most this many token x expert rows (170 tokens at top-6) are grouped by one
-#: single-program Triton kernel (decode: one launch instead of ~20 small torch ops per layer);
-#: larger ones by torch ops (prefill: each op is wide there, while one program loops over every
-#: row). Not measured yet: bench.moe times both ways per batch size
+#: Triton kernel of E + 1 programs (decode: one launch instead of ~20 small torch ops per layer);
+#: larger ones by torch ops (prefill: each op is wide there, while every program of the kernel
+#: counts all rows). bench.moe times both ways per batch size
 ALIGN_KERNEL_MAX_ROWS = 1024
 ALIGN_CHUNK = 128
-ALIGN_FILL = 1024
 
 
 def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -108,32 +107,29 @@ def _align_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 
 def _align_kernel(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """align_by_expert in one launch of one program (:func:`_align_rows_kernel`)."""
+    """align_by_expert in one launch of E + 1 programs (:func:`_align_rows_kernel`)."""
     flat = expert_ids.reshape(-1).contiguous()
     m, dev = flat.numel(), flat.device
     cap = grouped_capacity(m, num_experts, block_m)
     rows = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
     e_pad = pow2(num_experts, 16)
-    launch = {} if interpreted() else {"num_warps": 8}     # a [CHUNK, E_PAD] one-hot per step
-    _KERNELS["align"][(1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
-                            CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, **launch)
+    launch = {} if interpreted() else {"num_warps": 4}
+    _KERNELS["align"][(num_experts + 1,)](flat, rows, block_expert, m, cap, E=num_experts, E_PAD=e_pad, BM=block_m,
+                                          CHUNK=ALIGN_CHUNK, **launch)
     return rows, block_expert
 
 
 if triton is not None:
     # raw functions, decorated on first use in the mode triton was imported in (jit_decorator)
     def _align_rows_kernel(IDS, ROWS, BLOCK_EXPERT, M, CAP, E: tl.constexpr, E_PAD: tl.constexpr,
-                           BM: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
-        # one program: count rows per expert, scan the block-padded counts, then place each row
-        # at its expert's run start + the rows of that expert before it (row order, as a stable
-        # sort) over a buffer first filled with the padding value M; each block's expert is the
-        # number of padded runs ending at or before its start (E past the used part). Only the
-        # placement pays for a [CHUNK, E_PAD] one-hot: the fill and the per-block owners are cheap
+                           BM: tl.constexpr, CHUNK: tl.constexpr):
+        # program e < E writes expert e's padded run; program E the tail past the used part. The
+        # programs share nothing but the ids: each counts every expert's rows itself (a
+        # [CHUNK, E_PAD] one-hot over M <= ALIGN_KERNEL_MAX_ROWS ids, read from L2), so they run
+        # at once instead of one program walking every run (latency-bound: ~12 us a decode layer)
+        e = tl.program_id(0)
         ex = tl.arange(0, E_PAD)
-        for p0 in range(0, CAP, FILL):
-            p = p0 + tl.arange(0, FILL)
-            tl.store(ROWS + p, tl.full([FILL], 0, tl.int32) + M, mask=p < CAP)
         counts = tl.zeros([E_PAD], tl.int32)
         for c0 in range(0, M, CHUNK):
             r = c0 + tl.arange(0, CHUNK)
@@ -141,25 +137,33 @@ if triton is not None:
             counts += tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), 0)
         padded = (counts + (BM - 1)) // BM * BM
         run_end = tl.cumsum(padded, 0)
-        run_start = run_end - padded
-        # the fill's stores land before the placement's (other threads may own the same slots)
-        tl.debug_barrier()
-        seen = tl.zeros([E_PAD], tl.int32)
-        for c0 in range(0, M, CHUNK):
-            r = c0 + tl.arange(0, CHUNK)
-            rmask = r < M
-            ids = tl.load(IDS + r, mask=rmask, other=-1)
-            hit = (ids[:, None] == ex[None, :]).to(tl.int32)
-            before = tl.cumsum(hit, 0) - hit                 # earlier rows of the same expert in this chunk
-            dest = tl.sum(hit * (before + (run_start + seen)[None, :]), 1)
-            tl.store(ROWS + dest, r, mask=rmask)
-            seen += tl.sum(hit, 0)
-        # experts past E (E_PAD padding) have no rows: their run_end equals the total, which is
-        # what an owner count must not pass, hence the min with E
-        for b0 in range(0, CAP // BM, CHUNK):
-            b = b0 + tl.arange(0, CHUNK)
-            owner = tl.minimum(tl.sum((run_end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1), E)
-            tl.store(BLOCK_EXPERT + b, owner, mask=b < CAP // BM)
+        mine = ex == e
+        start = tl.sum(tl.where(mine, run_end - padded, 0), 0)
+        count = tl.sum(tl.where(mine, counts, 0), 0)
+        size = tl.sum(tl.where(mine, padded, 0), 0)
+        if e < E:
+            # the expert's rows in row order (a stable sort), then its padding rows (M)
+            seen = count * 0
+            for c0 in range(0, M, CHUNK):
+                r = c0 + tl.arange(0, CHUNK)
+                ids = tl.load(IDS + r, mask=r < M, other=-1)
+                hit = (ids == e).to(tl.int32)
+                rank = seen + tl.cumsum(hit, 0) - hit
+                tl.store(ROWS + start + rank, r, mask=hit != 0)
+                seen += tl.sum(hit, 0)
+            q = start + count + tl.arange(0, BM)
+            tl.store(ROWS + q, tl.full([BM], 0, tl.int32) + M, mask=q < start + size)
+            for b0 in range(0, size // BM, CHUNK):
+                b = b0 + tl.arange(0, CHUNK)
+                tl.store(BLOCK_EXPERT + start // BM + b, tl.full([CHUNK], 0, tl.int32) + e, mask=b < size // BM)
+        else:
+            used = tl.sum(padded, 0)
+            for p0 in range(used, CAP, CHUNK):
+                p = p0 + tl.arange(0, CHUNK)
+                tl.store(ROWS + p, tl.full([CHUNK], 0, tl.int32) + M, mask=p < CAP)
+            for b0 in range(used // BM, CAP // BM, CHUNK):
+                b = b0 + tl.arange(0, CHUNK)
+                tl.store(BLOCK_EXPERT + b, tl.full([CHUNK], 0, tl.int32) + E, mask=b < CAP // BM)
 
     def _expert_tile(ROWS, BLOCK_EXPERT, W, M, N, s_we, BM: tl.constexpr, BN: tl.constexpr):
         # both GEMMs' program: row block pid 0 (its expert, its grouped rows: padding rows hold
