@@ -99,3 +99,22 @@ def test_encode_writes_num_crops(model_dir, images, tmp_path):
     with safe_open(str(model_dir / "model.safetensors"), "pt") as h:
         sep = h.get_tensor("model.view_seperator")
     assert torch.equal(got["image_0"][-1], sep) and torch.equal(got["image_1"][-1], sep)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_views_generate_what_host_views_do(model_dir, images):
+    """--preprocess-device device on CUDA: the workers hand the engine views made on the GPU
+    (the same bytes), so greedy generation gives the host path's ids."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {}
+    for where in ("host", "device"):
+        llm = LLM(str(model_dir), model_family="deepseek_ocr2", device="cuda", dtype="float32", max_model_len=2048,
+                  gpu_memory_utilization=0.3, preprocess_device=where)
+        try:
+            proc = llm.engine.input_processor.image_processor
+            assert (proc.device is not None and proc.device.type == "cuda") == (where == "device")
+            outs = llm.generate([{"prompt": "Free OCR.", "multi_modal_data": {"image": im}} for im in images], params)
+            got[where] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+    assert got["device"] == got["host"] and all(len(ids) == MAX_TOKENS for ids in got["host"])

@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import envs
 from ..plan import Decision, PlanRequest
 from .errors import InvalidRequest
@@ -42,6 +44,10 @@ def parse_limit_mm(text: str | dict | None) -> dict[str, int]:
     return {"image": d.get("image", 1)}
 
 
+#: --preprocess-device values (EngineConfig.preprocess_decision)
+PREPROCESS_DEVICES = ("auto", "host", "device")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -63,6 +69,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None           # exact pool size (tests, debugging): overrides both
     enable_max_prefill: bool | None = None     # None: FD_ENABLE_MAX_PREFILL
     preprocess_workers: int = 4
+    preprocess_device: str = "auto"            # where image views are made: host (PIL), device (the
+                                               # runner's, where the family's processor can), auto
     step_timeout: float = 300.0                # seconds one step may run (after the first) before the
                                                # async engine reports itself stuck
     async_scheduling: bool | None = None       # overlap step N+1's host work with step N (None: the row's default)
@@ -89,6 +97,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         parse_limit_mm(self.limit_mm_per_prompt)
+        if self.preprocess_device not in PREPROCESS_DEVICES:
+            raise ValueError(f"--preprocess-device must be one of {', '.join(PREPROCESS_DEVICES)}, "
+                             f"got {self.preprocess_device!r}")
         t = self.step_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"--step-timeout must be a positive number of seconds, got {t!r}")
@@ -103,6 +114,27 @@ class EngineConfig:
         mode = ("one packed vision pass per step, whole prompts" if value
                 else "per-request item encoding, chunked prefill")
         return Decision(value, f"FD_ENABLE_MAX_PREFILL={int(value)} ({how}): {mode}")
+
+    def preprocess_decision(self, runner, image_processor) -> Decision:
+        """Where the preprocessing workers make a request's image views: "host" (PIL) or
+        "device" (the runner's: the family's processor uploads the decoded page and resizes and
+        cuts it there, the same bytes; ``on_device``). --preprocess-device device asks for it and
+        is refused for a processor without a device path; auto keeps the host for now."""
+        dev = torch.device(getattr(runner, "device", "cpu"))
+        name = type(image_processor).__name__
+        if self.preprocess_device == "host":
+            return Decision("host", "--preprocess-device host: PIL in the preprocessing workers")
+        if self.preprocess_device == "device":
+            if not callable(getattr(image_processor, "on_device", None)):
+                raise ValueError(f"--preprocess-device device: {name} makes its views on the host only "
+                                 "(DeepSeek-OCR-2's processor has a device path); use host or auto")
+            if dev.type == "cpu":
+                return Decision("host", "--preprocess-device device: the runner's device is the host CPU, where "
+                                        "PIL is the faster way to the same bytes")
+            return Decision("device", f"--preprocess-device device: {name} resizes and cuts on {dev} (Pillow's "
+                                      "integer resampling, the same bytes); the host decodes")
+        return Decision("host", "auto: PIL in the preprocessing workers (--preprocess-device device moves the "
+                                "resizes and cuts of a processor that has a device path to the runner's device)")
 
     def async_decision(self, runner) -> Decision:
         """Overlapped ("async") scheduling: --async-scheduling / --no-async-scheduling when given;

@@ -211,6 +211,9 @@ class InputProcessor:
         proc = self._overridden.get(cfg)
         if proc is None:
             proc = type(self.image_processor)(cfg)
+            device = getattr(self.image_processor, "device", None)
+            if device is not None:                   # a request's config keeps where views are made
+                proc = proc.on_device(device)
             if len(self._overridden) >= 16:          # bounded: clients choose these values
                 self._overridden.pop(next(iter(self._overridden)), None)
             self._overridden[cfg] = proc

@@ -205,8 +205,12 @@ class LLMEngine:
     def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
         limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
                              max_encoder_cost=config.max_encoder_patches, max_model_len=config.max_model_len)
-        return InputProcessor(FamilyPromptBuilder.from_runner(runner), runner.family.image_processor(config.model),
-                              limits)
+        image_processor = runner.family.image_processor(config.model)
+        where = config.preprocess_decision(runner, image_processor)
+        log.info("image preprocessing: %s (%s)", where.value, where.reason)
+        if where.value == "device":
+            image_processor = image_processor.on_device(runner.device)
+        return InputProcessor(FamilyPromptBuilder.from_runner(runner), image_processor, limits)
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config
@@ -268,7 +272,8 @@ class LLMEngine:
         # host staging here, in the worker, so the step's uploads do not block the host (the
         # backend's hook: page-locked memory where the device copies from it asynchronously)
         for it in processed.items:
-            it.encoder_inputs = self.runner.pin_host(it.encoder_inputs)
+            if it.encoder_inputs.device.type == "cpu":       # a device processor's are there already
+                it.encoder_inputs = self.runner.pin_host(it.encoder_inputs)
         seq = Sequence(next(self._seq_ids), request_id, processed, params, params.max_tokens or room,
                        self.eos_token_ids, arrival, priority)
         if params.seed is not None:

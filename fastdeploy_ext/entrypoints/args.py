@@ -224,6 +224,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
                         "vision pass does not stall their next token; off: such a step is a prefill only "
                         "(default: the device's capability row: on for the CPU rows, off on the GPU rows until "
                         "measured there)")
+    g.add_argument("--preprocess-workers", type=int, default=4, metavar="N",
+                   help="threads that decode and preprocess requests' images off the step loop")
+    g.add_argument("--preprocess-device", choices=("auto", "host", "device"), default="auto",
+                   help="where image views are resized and cut: host (PIL), device (the runner's, for a model "
+                        "whose processor can: DeepSeek-OCR-2; the same bytes, the host only decodes); auto: host")
     g.add_argument("--mixed-encoder-patches", type=int, default=None, metavar="N",
                    help="a mixed step's encoder budget (the running requests' tokens wait for its vision pass); "
                         "default min(16384, --max-encoder-patches)")
@@ -244,7 +249,9 @@ def engine_config_from_args(ns: argparse.Namespace, source: ModelSource, plan: P
                            step_timeout=getattr(ns, "step_timeout", 300.0),
                            async_scheduling=getattr(ns, "async_scheduling", None),
                            mixed_steps=getattr(ns, "mixed_steps", None),
-                           mixed_encoder_patches=getattr(ns, "mixed_encoder_patches", None))
+                           mixed_encoder_patches=getattr(ns, "mixed_encoder_patches", None),
+                           preprocess_workers=getattr(ns, "preprocess_workers", 4),
+                           preprocess_device=getattr(ns, "preprocess_device", "auto"))
         cfg.validate()
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None

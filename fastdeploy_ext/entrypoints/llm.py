@@ -42,7 +42,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | str | None = None,
                  limit_mm_per_prompt: dict | str | None = None, max_encoder_patches: int = 65536,
                  encoder_cache_size: int | None = None, enable_max_prefill: bool | None = None, num_kv_blocks: int | None = None,
-                 preprocess_workers: int = 4, runner=None, input_processor=None, **plan_flags: Any):
+                 preprocess_workers: int = 4, preprocess_device: str = "auto", runner=None, input_processor=None, **plan_flags: Any):
         if model is None and load_format != "dummy" and runner is None:
             raise ValueError("LLM needs model=DIR (a local model directory) or load_format='dummy'")
         plan = PlanRequest(device=device, dtype=dtype, **plan_flags)
@@ -52,7 +52,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=parse_bytes(kv_cache_memory),
             limit_mm_per_prompt=parse_limit_mm(limit_mm_per_prompt), max_encoder_patches=max_encoder_patches,
-            encoder_cache_size=encoder_cache_size, enable_max_prefill=enable_max_prefill, num_kv_blocks=num_kv_blocks, preprocess_workers=preprocess_workers)
+            encoder_cache_size=encoder_cache_size, enable_max_prefill=enable_max_prefill, num_kv_blocks=num_kv_blocks, preprocess_workers=preprocess_workers,
+            preprocess_device=preprocess_device)
         self._start(runner, input_processor)
 
     @classmethod

@@ -1,0 +1,144 @@
+"""DeepSeek-OCR-2's views made on a device (``DeepseekOCR2ImageProcessor.on_device``): the same
+bytes as the host's PIL path on real PDF pages and synthetic sizes, the fall-back to the host
+when the device is full, and the engine's --preprocess-device decision."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastdeploy_ext.engine.config import EngineConfig
+from fastdeploy_ext.inputs import resample
+from fastdeploy_ext.models.deepseek_ocr2.processor import DeepseekOCR2ImageProcessor
+
+PDFS = Path(__file__).resolve().parents[1].parent / "shared" / "pdfs"
+if not PDFS.is_dir():
+    PDFS = Path("/work/shared/pdfs")
+
+
+def pdf_page(name: str, dpi: int = 150) -> Image.Image:
+    pdfium = pytest.importorskip("pypdfium2")
+    path = PDFS / name
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    doc = pdfium.PdfDocument(str(path))
+    try:
+        return doc[0].render(scale=dpi / 72).to_pil().convert("RGB")
+    finally:
+        doc.close()
+
+
+def noise(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def both(img: Image.Image, device: str = "cpu"):
+    host = DeepseekOCR2ImageProcessor()
+    views, grid = host.views(img)
+    dev = host.on_device(device)
+    dviews, dgrid = dev.views(img)
+    return (host.pixel_values(views), grid), (dev.pixel_values(dviews), dgrid)
+
+
+@pytest.mark.parametrize("name", ["edgar.pdf", "newspaper.pdf", "edgar-rotated90.pdf"])
+def test_pdf_pages_give_the_hosts_bytes(name):
+    img = pdf_page(name)
+    (want, grid), (got, dgrid) = both(img)
+    assert dgrid == grid and grid[0] > 1                  # a 150 dpi page is cut into crops
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("w,h", [(1240, 1754), (1754, 1240), (700, 500), (3000, 800), (769, 770), (17, 900)])
+def test_sizes_give_the_hosts_bytes(w, h):
+    (want, grid), (got, dgrid) = both(noise(w, h, seed=w + h))
+    assert dgrid == grid and torch.equal(got, want)
+
+
+def test_preprocess_hands_out_pixels_on_the_device(tmp_path):
+    path = tmp_path / "page.png"
+    noise(1000, 1400, seed=2).save(path)
+    host = DeepseekOCR2ImageProcessor().preprocess(str(path))
+    dev = DeepseekOCR2ImageProcessor(device="cpu").preprocess(str(path))
+    assert dev.pixel_values.device == torch.device("cpu") and dev.grid_thw == host.grid_thw
+    assert torch.equal(dev.pixel_values, host.pixel_values)
+
+
+def test_a_full_device_falls_back_to_the_host(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "page.png"
+    noise(1240, 1754, seed=3).save(path)
+    want = DeepseekOCR2ImageProcessor().preprocess(str(path))
+
+    def full(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(resample, "resize", full)
+    with caplog.at_level(logging.WARNING):
+        got = DeepseekOCR2ImageProcessor(device="cpu").preprocess(str(path), "page.png")
+    assert torch.equal(got.pixel_values, want.pixel_values)
+    assert "no device memory" in caplog.text and "page.png" in caplog.text
+
+
+def test_a_host_processor_does_not_catch_out_of_memory(tmp_path, monkeypatch):
+    path = tmp_path / "page.png"
+    noise(900, 900, seed=4).save(path)
+
+    def full(self, *a, **kw):
+        raise torch.OutOfMemoryError("host (test)")
+    monkeypatch.setattr(Image.Image, "resize", full)
+    with pytest.raises(torch.OutOfMemoryError):
+        DeepseekOCR2ImageProcessor().preprocess(str(path))
+
+
+# ------------------------------------------------------------------ the engine's decision
+def runner(device: str):
+    return SimpleNamespace(device=torch.device(device))
+
+
+def test_the_decision_by_flag_and_device():
+    proc = DeepseekOCR2ImageProcessor()
+    auto = EngineConfig().preprocess_decision(runner("cuda"), proc)
+    assert auto.value == "host" and "auto" in auto.reason
+    dev = EngineConfig(preprocess_device="device").preprocess_decision(runner("cuda"), proc)
+    assert dev.value == "device" and "cuda" in dev.reason
+    cpu = EngineConfig(preprocess_device="device").preprocess_decision(runner("cpu"), proc)
+    assert cpu.value == "host" and "host CPU" in cpu.reason
+    host = EngineConfig(preprocess_device="host").preprocess_decision(runner("cuda"), proc)
+    assert host.value == "host"
+
+
+def test_a_processor_without_a_device_path_is_refused():
+    from fastdeploy_ext.models.registry import get_family
+    proc = get_family("paddleocr_vl").released_image_processor()
+    with pytest.raises(ValueError, match="host only"):
+        EngineConfig(preprocess_device="device").preprocess_decision(runner("cuda"), proc)
+    assert EngineConfig().preprocess_decision(runner("cuda"), proc).value == "host"
+
+
+def test_a_bad_value_is_refused():
+    with pytest.raises(ValueError, match="--preprocess-device must be one of auto, host, device"):
+        EngineConfig(preprocess_device="gpu").validate()
+
+
+def test_the_cli_flags_reach_the_config():
+    import argparse
+
+    from fastdeploy_ext.entrypoints.args import add_engine_args, engine_config_from_args
+    from fastdeploy_ext.plan import PlanRequest
+    from fastdeploy_ext.runner import ModelSource
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["--preprocess-device", "device", "--preprocess-workers", "8"])
+    cfg = engine_config_from_args(ns, ModelSource(None, "dummy", "auto", "deepseek_ocr2"), PlanRequest())
+    assert (cfg.preprocess_device, cfg.preprocess_workers) == ("device", 8)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--preprocess-device", "gpu"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_views_give_the_hosts_bytes():
+    (want, grid), (got, dgrid) = both(noise(1240, 1754, seed=5), "cuda")
+    assert got.is_cuda and dgrid == grid and torch.equal(got.cpu(), want)
