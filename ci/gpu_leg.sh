@@ -36,9 +36,12 @@
 #                (step times, then the profiled kernels of those steps against their wall time)
 #   gemm_gelu (not in "all")  the GEMM with the erf GELU in its epilogue (SAM's fc1): tests/test_gemm_gelu.py on
 #                CUDA, then `python3 -m fastdeploy_ext.bench.gemm_gelu` (ATen linear + gelu vs ours, a tile sweep)
+#   deepseek_preprocess (not in "all")  DeepSeek-OCR-2's views cut on the GPU: the CUDA tests of tests/test_resample.py,
+#                test_deepseek_ocr2_device_views.py and the engine's host-vs-device test, then
+#                `python3 -m fastdeploy_ext.bench.deepseek_preprocess --device cuda` (transformers vs ours host vs ours on the GPU)
 #   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
 #                on CUDA (replay == eager bitwise per path) and bench vision eager vs graphed
-#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_graphs|gemm_gelu]...
+#   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_preprocess|deepseek_graphs|gemm_gelu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fdx_out}; mkdir -p "$OUT"
@@ -147,6 +150,15 @@ if [[ " $steps " == *" gemm_gelu "* ]]; then
   timeout ${GG_BENCH_TIMEOUT:-180} python3 -m fastdeploy_ext.bench.gemm_gelu ${GG_BENCH_ARGS:-} \
     > "$OUT/gemm_gelu.txt" 2>&1 || rc=1
   tail -16 "$OUT/gemm_gelu.txt"
+fi
+if [[ " $steps " == *" deepseek_preprocess "* ]]; then
+  timeout ${DSP_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_resample.py \
+    tests/test_deepseek_ocr2_device_views.py "tests/test_deepseek_ocr2_engine.py::test_cuda_device_views_generate_what_host_views_do" \
+    > "$OUT/deepseek_preprocess_tests.txt" 2>&1 || rc=1
+  tail -3 "$OUT/deepseek_preprocess_tests.txt"
+  timeout ${DSP_BENCH_TIMEOUT:-180} python3 -m fastdeploy_ext.bench.deepseek_preprocess --device cuda \
+    ${DSP_BENCH_ARGS:---pages 16 --workers 1,4,8} > "$OUT/deepseek_preprocess.txt" 2>&1 || rc=1
+  tail -12 "$OUT/deepseek_preprocess.txt"
 fi
 if [[ " $steps " == *" deepseek_graphs "* ]]; then
   timeout ${DSG_TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepseek_ocr2_graphs.py \
