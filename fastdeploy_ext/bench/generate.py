@@ -463,13 +463,13 @@ def _stages(before, after, step_s: dict, wall: float) -> dict:
             "other_s": max(wall - step_s["prefill"] - step_s["decode"], 0.0),
             "vision_passes": after.vision_passes - before.vision_passes,
             "vision_host_s": after.vision_s - before.vision_s,
-            "preprocess_cpu_s": after.preprocess_s - before.preprocess_s}
+            "preprocess_worker_s": after.preprocess_s - before.preprocess_s}
 
 
 def stages_line(st: dict) -> str:
     return (f"    stages: prefill {st['prefill_s']:.2f} s / {st['prefill_steps']} steps "
             f"({st['vision_passes']} vision passes) | decode {st['decode_s']:.2f} s / {st['decode_steps']} steps "
-            f"| other {st['other_s']:.2f} s | preprocessing {st['preprocess_cpu_s']:.2f} s of worker CPU (overlapped)")
+            f"| other {st['other_s']:.2f} s | preprocessing {st['preprocess_worker_s']:.2f} s summed over the workers (wall, overlapped)")
 
 
 def gaps_line(gaps: dict, mixed: bool) -> str:
