@@ -15,10 +15,11 @@ from .test_cli import cli
 
 
 def _assert_itl(res: dict, requests: int, tokens: int) -> None:
-    """Every request's tokens but its first leave one gap; the figures ordered and non-negative."""
+    """Every request's tokens but its first leave one gap; the figures ordered and non-negative.
+    All of them may be 0: a server that delivers a request's few tokens in one chunk (the tiny
+    model outrunning a busy client) leaves zero gaps, which token_gaps counts as such."""
     assert res["itl_gaps"] == requests * (tokens - 1), res
     assert 0 <= res["itl_p50_ms"] <= res["itl_p95_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"], res
-    assert res["itl_max_ms"] > 0, res
 
 
 def test_token_gaps_single_and_multi_token_chunks():
