@@ -16,7 +16,7 @@ Each column times the whole layer (router, routed experts, shared experts) eager
 ``aten_moe`` are also timed as one CUDA graph replay (the decode step runs in graphs; the
 transformers loop cannot be captured). Ratios are the other's time over ours (> 1: ours faster).
 Before timing, every column's output is compared with ours (cosine). Where the device has graphs the grouping of
-rows by expert is also timed alone (graphed), torch ops vs the one-program kernel, and the router
+rows by expert is also timed alone (graphed), torch ops vs the per-expert kernel, and the router
 alone three ways (ATen; ATen's GEMM + the Triton tail; the Triton launch with the GEMM fused). Times are
 medians of CUDA event timings (the device API's timer). Nothing here asserts a time.
 """
@@ -91,7 +91,7 @@ def _graphed(fn, api):
 
 
 def _grouping_times(moe, x, warmup: int, iters: int, api) -> dict[str, float]:
-    """The device-side grouping alone, graphed: torch ops vs the single-program kernel (which
+    """The device-side grouping alone, graphed: torch ops vs the grouping kernel (a program per expert, which
     align_by_expert picks up to ALIGN_KERNEL_MAX_ROWS rows)."""
     from ..ops.triton.grouped_moe import align_by_expert, pick_blocks
     _, idx = moe.route(x)
@@ -206,7 +206,7 @@ def print_table(rows: list[dict], shape: MoEShape, dtype: torch.dtype, device: t
         print(f"{r['tokens']:>6} " + " ".join(f"{_fmt(r.get(c)):>14}" for c in cols) + " | "
               + " ".join(f"{_fmt(r.get(x)):>25}" for x in ratios))
     if any("group_torch_graph" in r for r in rows):
-        print("grouping rows by expert alone (graphed, ms): torch ops vs the one-program kernel")
+        print("grouping rows by expert alone (graphed, ms): torch ops vs the per-expert kernel")
         for r in rows:
             print(f"{r['tokens']:>6} torch {_fmt(r.get('group_torch_graph'))} kernel {_fmt(r.get('group_kernel_graph'))}")
     if any("route_aten_graph" in r for r in rows):
