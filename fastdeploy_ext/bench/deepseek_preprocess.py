@@ -38,15 +38,14 @@ def pages(n: int, size: tuple[int, int]) -> list[Image.Image]:
 
 def timed(fn, imgs, workers: int, sync) -> tuple[float, float]:
     """(wall s, process CPU s) of fn over every image, on ``workers`` threads."""
+    def one(im):
+        fn(im)
+        sync()
     c0, t0 = time.process_time(), time.perf_counter()
     if workers == 1:
         for im in imgs:
-            fn(im)
-            sync()
+            one(im)
     else:
-        def one(im):
-            fn(im)
-            sync()
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(one, imgs))
     return time.perf_counter() - t0, time.process_time() - c0
@@ -99,13 +98,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip transformers' processor")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    from .generate import parse_page_size
     try:
-        w, h = (int(v) for v in args.page_size.lower().split("x"))
+        w, h = parse_page_size(args.page_size)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    try:
         workers = [int(v) for v in args.workers.split(",") if v.strip()]
-        if args.pages < 1 or w < 16 or h < 16 or not workers or min(workers) < 1:
+        if args.pages < 1 or not workers or min(workers) < 1:
             raise ValueError
     except ValueError:
-        raise SystemExit("--pages >= 1, --page-size WxH (sides >= 16) and --workers positive integers, e.g. 1,4")
+        raise SystemExit("--pages >= 1 and --workers positive integers, e.g. 1,4")
     try:
         rows = run(args.pages, (w, h), args.device, workers, not args.no_reference)
     except BenchError as e:

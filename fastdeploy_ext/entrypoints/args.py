@@ -21,6 +21,7 @@ import os
 import sys
 
 from .. import envs
+from ..engine.config import PREPROCESS_DEVICES
 from ..plan import DTYPES, GRID_SOURCES, QKV_LAYOUTS, SWITCHES, GraphOptimizationConfig, PlanRequest
 from ..runner import LOAD_FORMATS, MODEL_FORMATS, ModelSource
 
@@ -226,7 +227,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> Group:
                         "measured there)")
     g.add_argument("--preprocess-workers", type=int, default=4, metavar="N",
                    help="threads that decode and preprocess requests' images off the step loop")
-    g.add_argument("--preprocess-device", choices=("auto", "host", "device"), default="auto",
+    g.add_argument("--preprocess-device", choices=PREPROCESS_DEVICES, default="auto",
                    help="where image views are resized and cut: host (PIL), device (the runner's, for a model "
                         "whose processor can: DeepSeek-OCR-2; the same bytes, the host only decodes); auto: host")
     g.add_argument("--mixed-encoder-patches", type=int, default=None, metavar="N",
