@@ -142,3 +142,20 @@ def test_the_cli_flags_reach_the_config():
 def test_cuda_views_give_the_hosts_bytes():
     (want, grid), (got, dgrid) = both(noise(1240, 1754, seed=5), "cuda")
     assert got.is_cuda and dgrid == grid and torch.equal(got.cpu(), want)
+
+
+def test_preprocess_bench_reports_equal_bytes_per_column(tmp_path):
+    """`bench.deepseek_preprocess` on the CPU: a row per column and worker count, each of ours
+    checked byte for byte against the host path; a bad page size is one clear line."""
+    import json
+
+    from fastdeploy_ext.bench import deepseek_preprocess as bench
+    out = tmp_path / "pre.json"
+    assert bench.main(["--pages", "1", "--page-size", "800x1000", "--workers", "1,2", "--device", "cpu",
+                       "--no-reference", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["column"], r["workers"]) for r in rows] == [("ours host", 1), ("ours host x2", 2),
+                                                           ("ours cpu", 1), ("ours cpu x2", 2)]
+    assert all(r["bitwise_equal"] is True and r["pages_per_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--page-size sides must be within 16..10000"):
+        bench.main(["--page-size", "8x8", "--no-reference"])
