@@ -40,7 +40,8 @@
 #                test_deepseek_ocr2_device_views.py and the engine's host-vs-device test, then
 #                `python3 -m fastdeploy_ext.bench.deepseek_preprocess --device cuda` (transformers vs ours host vs ours on the GPU)
 #   deepseek_graphs (not in "all")  DeepSeek-OCR-2's dual-path encoder graphs: tests/test_deepseek_ocr2_graphs.py
-#                on CUDA (replay == eager bitwise per path) and bench vision eager vs graphed
+#                on CUDA (replay == eager bitwise per path, side by side == one after the other) and bench
+#                vision eager vs graphed (the paths one after the other, and side by side)
 #   usage: [FDX_COMMIT=sha] ci/gpu_leg.sh [all|matrix|bench|profile|attn|layers|sweep|tests|preprocess|amx|generate|detect|deepseek|deepseek_kernels|deepseek_moe|deepseek_decode|deepseek_preprocess|deepseek_graphs|gemm_gelu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -166,7 +167,7 @@ if [[ " $steps " == *" deepseek_graphs "* ]]; then
   tail -3 "$OUT/deepseek_graphs_tests.txt"
   # random weights at the released size: transformers has its own random init (speed compares, outputs do not)
   timeout ${DSG_BENCH_TIMEOUT:-330} $FDX bench vision --load-format dummy --model-family deepseek_ocr2 --device cuda \
-    --dtype bfloat16 --variants ${DSG_VARIANTS:-strided/host/eager,strided/host/graph} \
+    --dtype bfloat16 --variants ${DSG_VARIANTS:-strided/host/eager,strided/host/graph,strided/host/graph+overlap} \
     --workloads ${DSG_WORKLOADS:-nocrop,page6,nocrop16,page6x16} --iters 5 \
     --json-out "$OUT/bench_vision_deepseek_graphs.json" > "$OUT/bench_vision_deepseek_graphs.txt" 2>&1 || rc=1
   grep -E "^== |^\s+(nocrop|page6)|Traceback|Error" "$OUT/bench_vision_deepseek_graphs.txt" | tail -14

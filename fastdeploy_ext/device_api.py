@@ -29,6 +29,7 @@ from .plan import Decision
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 #: device types that are the host: the host API is theirs by right, not a fallback
 HOST_DEVICE_TYPES = ("cpu", "meta")
@@ -122,6 +123,13 @@ class DeviceAPI:
         """Whether the current stream is capturing a graph (its kernels then run only at replay:
         nothing made now may be cached as if it were computed). No graphs here: never."""
         return False
+
+    def side_by_side(self, first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+        """(first(), second()) with their device work free to overlap: ``first`` queued on a
+        side stream that waits for the work queued so far, ``second`` on the current stream,
+        which then waits for the side stream's, so the results are ready to use on the current
+        stream. No host sync. The host's: one after the other."""
+        return first(), second()
 
     def capture_graph(self, forward: Callable[[], T], pool, stream=None, warmup: int = 2) -> tuple[object, T]:
         """Warm ``forward`` up ``warmup`` times on a side stream (``stream``, or a fresh one),

@@ -61,7 +61,7 @@ def test_bench_vision_refuses_a_variant_the_family_lacks(model_dir):
             "--variants", "strided/host/graph+fused", "--no-reference")
     assert r.returncode != 0
     assert ("deepseek_ocr2 has the variants strided/host/eager, dense/host/eager, strided/host/graph, "
-            "dense/host/graph only") in r.stderr + r.stdout
+            "dense/host/graph, strided/host/graph+overlap, dense/host/graph+overlap only") in r.stderr + r.stdout
 
 
 def test_bench_generate_ours_vs_transformers_same_tokens(model_dir, tmp_path):

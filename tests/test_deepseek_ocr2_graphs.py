@@ -12,6 +12,7 @@ a budget of 8 crops stays cheap on a 2-core box; graphs see only view counts and
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,9 +55,12 @@ class _Runner:
     cfg: DeepseekOCR2Config = TINY
     dtype: torch.dtype = torch.float32
     strided: bool = True
+    overlap: bool = False
+    api: type = HostGraphAPI
 
     def __post_init__(self):
-        self.device_api = HostGraphAPI(self.device)
+        self.device_api = self.api(self.device)
+        self.plan = SimpleNamespace(graph_overlap=Decision(self.overlap, "test"))
         self.meta_builder = VisionMetadataBuilder(self.cfg, device=self.device)
         self.execution = get_family("deepseek_ocr2").vision_execution(None, self.strided, False)
 
@@ -68,8 +72,8 @@ def tower():
     return model
 
 
-def _graphs(model, device=CPU, paths=PATHS):
-    g = DeepseekEncoderGraphs(_Runner(model, device), paths)
+def _graphs(model, device=CPU, paths=PATHS, **runner):
+    g = DeepseekEncoderGraphs(_Runner(model, device, **runner), paths)
     report = g.capture()
     assert report.captured == 5 and report.paths == {"global": [1, 3], "local": [2, 4, 8]}
     return g
@@ -145,6 +149,20 @@ def test_encoder_graph_paths_name_the_paths_and_their_budgets():
         resolve_for_components(capability_table()["cuda_sm90"], PlanRequest(graph_config=gc),
                                vlm.components(vlm.default_config()), device="cuda:0", kernels=kernels,
                                text_available={"sdpa_paged": (True, "ok")})
+
+
+def test_the_paths_overlap_by_default_where_both_are_captured():
+    p = _plan("cuda_sm90")
+    assert p.graph_overlap.value is True and p.graph_overlap.reason.startswith("default where the paths are captured")
+    assert "graph_overlap" in p.describe() and "a graph pool each" in p.describe()
+    off = _plan("cuda_sm90", graph_config=GraphOptimizationConfig.from_json('{"encoder_overlap_paths": false}'))
+    assert off.graph_overlap.value is False and off.graph_overlap.reason.startswith("encoder_overlap_paths=false")
+    one = _plan("cuda_sm90", graph_config=GraphOptimizationConfig.from_json(
+        '{"encoder_graph_paths": [{"name": "local", "budgets": [2, 4]}]}'))
+    assert one.graph_overlap == Decision(False, "fewer than two encoder graph paths captured")
+    assert _plan("cpu").graph_overlap == Decision(False, "no encoder graphs")
+    with pytest.raises(ValueError, match="unknown keys"):
+        GraphOptimizationConfig.from_json('{"encoder_overlap": true}')
 
 
 # ------------------------------------------------------------------ capture and replay (CPU fake)
@@ -232,6 +250,54 @@ def test_the_runner_encodes_through_the_graphs_once_captured(tower, monkeypatch)
     assert runner.graphs.stats["local"].per_budget == {8: 1}
 
 
+class SideBySideAPI(HostGraphAPI):
+    """A graph API that hands out a new pool per capture group and records what side_by_side
+    ran on its "side stream" (the host runs it first, as the CUDA API queues it first)."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.side_calls, self.pools_made = [], 0
+
+    def graph_pool(self):
+        self.pools_made += 1
+        return ("pool", self.pools_made)
+
+    def side_by_side(self, first, second):
+        self.side_calls.append((first.args, second.args))
+        return super().side_by_side(first, second)
+
+
+def test_overlapping_paths_own_a_pool_each_and_give_the_same_rows(tower):
+    seq, over = _graphs(tower, api=SideBySideAPI), _graphs(tower, api=SideBySideAPI, overlap=True)
+    assert seq.api.pools_made == 1 and over.api.pools_made == 2
+    assert {g.pool for (n, _), g in over.graphs.items() if n == "global"} == {("pool", 1)}
+    assert {g.pool for (n, _), g in over.graphs.items() if n == "local"} == {("pool", 2)}
+    assert "side by side" in over.describe() and "side by side" not in seq.describe()
+    with torch.inference_mode():
+        for grids in ([NO_CROP, SIX], [SIX, TWO, NO_CROP], [NO_CROP]):
+            px = _pixels(grids, seed=11)
+            assert torch.equal(over.run(px, grids), seq.run(px, grids))
+    # the global path went to the side stream, the crops stayed on the current one; a batch
+    # without crops has nothing to overlap
+    assert [(a[0], b[0]) for a, b in over.api.side_calls] == [("global", "local")] * 2
+    assert seq.api.side_calls == []
+
+
+def test_overlapping_paths_sharing_a_pool_are_refused(tower, monkeypatch):
+    """The mutation: capture both paths into one pool while they replay side by side."""
+    from fastdeploy_ext.models.deepseek_ocr2 import encoder_graphs as eg
+    real = eg.capture_graphs
+    shared = {}
+
+    def one_pool(api, make):
+        pool = shared.setdefault("pool", api.graph_pool())
+        monkeypatch.setattr(api, "graph_pool", lambda: pool)
+        return real(api, make)
+    monkeypatch.setattr(eg, "capture_graphs", one_pool)
+    with pytest.raises(RuntimeError, match="'global' and 'local' share a graph pool but replay side by side"):
+        _graphs(tower, api=SideBySideAPI, overlap=True)
+
+
 # ------------------------------------------------------------------ no host sync on the replay path
 @pytest.fixture(scope="module")
 def meta_graphs(tower):
@@ -313,6 +379,12 @@ def test_cuda_graph_replay_equals_eager_bitwise(dtype, monkeypatch):
     runner.graphs, graphs = None, runner.graphs          # the runner's eager path (same precision)
     eager = runner.encode_uploaded(pixels, grids)
     runner.graphs = graphs
+    # the paths replayed one after the other give the same bytes as side by side (the default)
+    assert g.overlap and len({bg.pool for bg in g.graphs.values()}) == 2
+    g.overlap = False
+    for a, b in zip(runner.encode_uploaded(pixels, grids), replayed):
+        assert torch.equal(a, b)
+    g.overlap = True
     for a, b in zip(replayed, eager):
         a, b = a.float(), b.float()
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()

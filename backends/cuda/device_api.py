@@ -19,6 +19,10 @@ class CudaDeviceAPI(DeviceAPI):
     allocator_stats = True
     supports_graphs = True
 
+    def __init__(self, device):
+        super().__init__(device)
+        self._side = None        # side_by_side's stream, made on first use
+
     # ProfilerActivity is looked up once here rather than imported at module level: torch.profiler
     # is a heavy import the runner never needs
     @property
@@ -88,6 +92,20 @@ class CudaDeviceAPI(DeviceAPI):
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def side_by_side(self, first, second):
+        # Tensors ``first`` allocates come from the side stream's blocks of the caching allocator;
+        # the current stream reads them only after its wait below, and the side stream is used
+        # again only after its own wait on the current stream: no block is reused while read.
+        current = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            a = first()
+        b = second()
+        current.wait_stream(self._side)
+        return a, b
 
     def capture_graph(self, forward, pool, stream=None, warmup: int = 2):
         side = stream if stream is not None else torch.cuda.Stream(self.device)

@@ -123,6 +123,20 @@ def resolve_view_graphs(row: CapabilityRow, tower: Mapping[str, str], grid: Deci
                                   "with shapes fixed by the view count)")
 
 
+def resolve_view_graph_overlap(graphs: Decision, gc: GraphOptimizationConfig) -> Decision:
+    """Whether a view-path tower's paths (``graphs``: resolve_view_graphs') replay side by side,
+    the smaller global path on a side stream beside the crops': each path then captures into a
+    graph pool of its own (two replays at once must not share intermediates). On by default
+    wherever two or more paths are captured; ``encoder_overlap_paths`` false turns it off."""
+    paths = graphs.value
+    if len(paths) < 2:
+        return Decision(False, "fewer than two encoder graph paths captured" if paths else "no encoder graphs")
+    if gc.encoder_overlap_paths is False:
+        return Decision(False, "encoder_overlap_paths=false: the paths replay one after the other, one graph pool")
+    why = "requested" if gc.encoder_overlap_paths else "default where the paths are captured"
+    return Decision(True, f"{why}: the paths replay on two streams side by side, a graph pool each")
+
+
 def resolve_decode_graphs(row: CapabilityRow, gc: GraphOptimizationConfig, text: KernelChoice | None) -> Decision:
     """Decoder CUDA graphs per batch-size bucket: on where the row lists the `decoder` graph kind
     (by default when the row's graphs are on by default) and the paged backend's decode is graph

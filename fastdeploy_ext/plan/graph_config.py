@@ -95,8 +95,10 @@ class GraphOptimizationConfig:
     captured). The vision encoder's graphs have their own keys: ``use_encoder_cudagraph``,
     ``encoder_graph_paths`` (list of {name, min_tokens, max_tokens, max_image_tokens,
     max_segments}, budgets over patches; for a tower over fixed-size views, DeepSeek-OCR-2's,
-    {name, budgets}: its paths "global" and "local" with their view counts) and ``encoder_split_oversize_batches`` (pack batches larger than every budget
-    into several replays instead of one eager pass). A layout detector's graphs:
+    {name, budgets}: its paths "global" and "local" with their view counts), ``encoder_overlap_paths``
+    (such a tower's paths replayed side by side on two streams, each path its own graph pool;
+    None: on wherever the paths are captured) and ``encoder_split_oversize_batches`` (pack batches
+    larger than every budget into several replays instead of one eager pass). A layout detector's graphs:
     ``use_detector_cudagraph`` and ``detector_capture_sizes`` (its batch-size buckets). None:
     the row's default."""
     use_cudagraph: bool | None = None
@@ -104,11 +106,13 @@ class GraphOptimizationConfig:
     use_encoder_cudagraph: bool | None = None
     encoder_graph_paths: tuple[EncoderGraphPath | ViewGraphPath, ...] = DEFAULT_GRAPH_PATHS
     encoder_split_oversize_batches: bool = False
+    encoder_overlap_paths: bool | None = None
     use_detector_cudagraph: bool | None = None
     detector_capture_sizes: tuple[int, ...] = DEFAULT_DETECTOR_CAPTURE_SIZES
 
     KEYS = ("use_cudagraph", "cudagraph_capture_sizes", "use_encoder_cudagraph", "encoder_graph_paths",
-            "encoder_split_oversize_batches", "use_detector_cudagraph", "detector_capture_sizes")
+            "encoder_split_oversize_batches", "encoder_overlap_paths", "use_detector_cudagraph",
+            "detector_capture_sizes")
 
     @classmethod
     def from_json(cls, text: str | None) -> "GraphOptimizationConfig":
@@ -151,5 +155,5 @@ class GraphOptimizationConfig:
             return None if d.get(key) is None else bool(d[key])
         return cls(switch("use_cudagraph"), sizes_of("cudagraph_capture_sizes", DEFAULT_CAPTURE_SIZES),
                    switch("use_encoder_cudagraph"), paths, bool(d.get("encoder_split_oversize_batches", False)),
-                   switch("use_detector_cudagraph"),
+                   switch("encoder_overlap_paths"), switch("use_detector_cudagraph"),
                    sizes_of("detector_capture_sizes", DEFAULT_DETECTOR_CAPTURE_SIZES))

@@ -66,6 +66,8 @@ class RunPlan:
     decode_graphs: Decision = Decision((), "off")     # value: decode batch sizes captured, () when off
     notes: tuple[str, ...] = ()
     graph_split_oversize: bool = False
+    # a view-path tower's paths replayed side by side (value None: the model has no view paths)
+    graph_overlap: Decision = Decision(None, "the model has no encoder graph paths over views")
 
     components: tuple[Component, ...] = ()    # what the plan was resolved for (the model's)
     deformable_attention: Decision = Decision(None, "the model has no deformable attention")
@@ -134,6 +136,8 @@ class RunPlan:
         decisions = self.detector_decisions() if self.is_detector else self.decisions()
         declared = {c.kind for c in self.components}
         decisions |= {self.KERNEL_FIELD[k]: self.kernel(k) for k in self.DECLARED_ONLY if k in declared}
+        if self.graph_overlap.value is not None:
+            decisions["graph_overlap"] = self.graph_overlap
         width = max(15, *map(len, decisions))
         for k, d in decisions.items():
             v = d.value
@@ -141,7 +145,7 @@ class RunPlan:
                 v = ", ".join(f"{p.name}{list(p.budgets)}" for p in v) if v else "off"
             elif k in ("decode_graphs", "detector_graphs"):
                 v = f"batch sizes {list(v)}" if v else "off"
-            elif k == "masks":
+            elif k in ("masks", "graph_overlap"):
                 v = "on" if v else "off"
             lines.append(f"  {k:<{width}} = {v!s:<28} ({d.reason})")
         if self.attention_fallbacks:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .choice import KernelChoice, KindContext
 from .decisions import (resolve_decode_graphs, resolve_detector_graphs, resolve_detector_masks, resolve_dtype,
                         resolve_encoder_graphs, resolve_fused_layers, resolve_grid_source, resolve_qkv_layout,
-                        resolve_view_graphs)
+                        resolve_view_graph_overlap, resolve_view_graphs)
 from .kinds import Component, ComponentKind, Decision, PlanError, components_by_kind
 from .deformable_attention import (BUILTIN_DENSE, BUILTIN_DEFORMABLE, resolve_dense_attention,
                                    resolve_deformable_attention)
@@ -105,9 +105,11 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
     def kernel(kind: ComponentKind, absent: str) -> Decision:
         return chosen[kind].decision if kind in chosen else Decision(None, absent)
     grid = resolve_grid_source(row, request.grid_thw)
+    overlap = RunPlan.graph_overlap
     if vision is None and windowed is not None:     # a tower over fixed-size views (DeepSeek-OCR-2's)
         graphs = resolve_view_graphs(row, {str(k): chosen[k].entry.backend for k in TOWER_KINDS
                                            if k in chosen and k is not ComponentKind.MOE_EXPERTS}, grid, gc)
+        overlap = resolve_view_graph_overlap(graphs, gc)
     else:
         graphs = resolve_encoder_graphs(vk, vision, grid, gc)
     fused = resolve_fused_layers(row, request.fused_layers, kernels, notes)
@@ -130,7 +132,8 @@ def resolve_for_components(row: CapabilityRow, request: PlanRequest, components:
                    prefix_causal_attention=kernel(ComponentKind.PREFIX_CAUSAL_ATTENTION,
                                                   "the model has no prefix-causal attention"),
                    moe_experts=kernel(ComponentKind.MOE_EXPERTS, "the model has no MoE"),
-                   graph_split_oversize=gc.encoder_split_oversize_batches, components=tuple(components))
+                   graph_split_oversize=gc.encoder_split_oversize_batches, graph_overlap=overlap,
+                   components=tuple(components))
 
 
 def resolve_plan(row: CapabilityRow, request: PlanRequest, *, device: str, head_dim: int,

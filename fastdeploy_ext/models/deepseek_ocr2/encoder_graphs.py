@@ -15,6 +15,12 @@ Replay makes no host sync: the views are split by path from host ints (the metad
 gathered into the path's static buffer with one device copy (``torch.cat(..., out=)``), and the
 rows are reassembled per image from the static outputs by the eager forward's own code
 (DeepseekOCR2Vision.split_views / assemble).
+
+Where the plan overlaps the paths (``graph_overlap``), a batch with crops replays its global path
+on a side stream beside its local path (DeviceAPI.side_by_side): the small kernels and the tails
+of one path fill what the other leaves idle. Two replays at once must not share intermediates, so
+then each path captures into a graph pool of its own (checked after capture); otherwise all
+graphs share one pool, largest first.
 """
 from __future__ import annotations
 
@@ -52,13 +58,14 @@ class _ViewBudgetGraph:
         self.model, self.is_global, self.views, self.ex = model, is_global, views, ex
         self.view_patches = view_patches
         self.pixels = torch.zeros(views * view_patches, model.cfg.patch_dim, device=device, dtype=dtype)
-        self.graph = None
+        self.graph = self.pool = None
         self.out: torch.Tensor | None = None
 
     def _forward(self) -> torch.Tensor:
         return self.model.encode_views(self.pixels, self.views, self.is_global, self.ex)
 
     def capture(self, api, pool, stream) -> None:
+        self.pool = pool
         self.graph, self.out = api.capture_graph(self._forward, pool, stream)
 
     def load(self, parts: Sequence[torch.Tensor]) -> None:
@@ -98,6 +105,8 @@ class DeepseekEncoderGraphs:
         self.device, self.dtype = runner.device, runner.dtype
         self.ex = runner.execution          # the plan's qkv layout and attention backends
         self.paths = {p.name: p for p in paths}
+        plan = getattr(runner, "plan", None)
+        self.overlap = bool(plan.graph_overlap.value) if plan is not None else False
         self.graphs: dict[tuple[str, int], _ViewBudgetGraph] = {}
         self.stats = {name: PathStats() for name in PATH_IS_GLOBAL}
 
@@ -110,14 +119,36 @@ class DeepseekEncoderGraphs:
         make = {(p.name, b): partial(_ViewBudgetGraph, self.model, PATH_IS_GLOBAL[p.name], b, self.view_patches(p.name),
                                      self.ex, device=self.device, dtype=self.dtype)
                 for p in self.paths.values() for b in sorted(p.budgets, reverse=True)}  # largest first: pool reuse
+        # one pool for all, or (overlapping paths) one per path
+        groups = ([{k: v for k, v in make.items() if k[0] == name} for name in self.paths] if self.overlap
+                  else [make])
+        dt = mem = 0
         # captured under the eager path's precision (an fp32 plan: no TF32 convolutions)
         with torch.inference_mode(), fp32_convolutions(self.device, self.dtype):
-            self.graphs, dt, mem = capture_graphs(self.api, make)
+            for group in groups:
+                graphs, t, m = capture_graphs(self.api, group)
+                self.graphs.update(graphs)
+                dt, mem = dt + t, mem + m
+        self.check_pools()
         report = GraphReport(captured=len(self.graphs), paths={p.name: list(p.budgets) for p in self.paths.values()},
                              capture_seconds=dt, graph_memory_bytes=mem)
-        log.info("deepseek_ocr2 encoder graphs: %d captured in %.1fs, %.1f MiB (views per path: %s)", report.captured,
-                 dt, mem / 2 ** 20, report.paths)
+        log.info("deepseek_ocr2 encoder graphs: %d captured in %.1fs, %.1f MiB (views per path: %s; %s)",
+                 report.captured, dt, mem / 2 ** 20, report.paths,
+                 "paths replayed side by side, a pool each" if self.overlap else "one pool")
         return report
+
+    def check_pools(self) -> None:
+        """Overlapping paths replay at the same time: their graphs must not share a pool (each
+        replay writes its intermediates into its pool's blocks)."""
+        if not self.overlap:
+            return
+        seen: list[tuple[object, str]] = []
+        for (name, _), g in self.graphs.items():
+            other = next((n for pool, n in seen if pool == g.pool and n != name), None)
+            if other is not None:
+                raise RuntimeError(f"encoder graph paths {other!r} and {name!r} share a graph pool but replay side "
+                                   "by side: their intermediates would overwrite each other")
+            seen.append((g.pool, name))
 
     def encode_path(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """One path's views ([patches, C*P*P] each) -> [views, queries, text width]: replayed at
@@ -140,9 +171,15 @@ class DeepseekEncoderGraphs:
         other replay of its graph."""
         meta = self.runner.meta_builder.build_host(grids)
         glob, crops = self.model.split_views(pixels, meta)
-        g_rows = self.encode_path("global", glob)
-        c_rows = self.encode_path("local", crops) if crops else None
+        if not crops:
+            return self.model.assemble(self.encode_path("global", glob), None, meta.crops)
+        if self.overlap:
+            g_rows, c_rows = self.api.side_by_side(partial(self.encode_path, "global", glob),
+                                                   partial(self.encode_path, "local", crops))
+        else:
+            g_rows, c_rows = self.encode_path("global", glob), self.encode_path("local", crops)
         return self.model.assemble(g_rows, c_rows, meta.crops)
 
     def describe(self) -> str:
-        return "; ".join(f"{name} views {list(p.budgets)}" for name, p in self.paths.items())
+        return "; ".join(f"{name} views {list(p.budgets)}" for name, p in self.paths.items()) + (
+            "; side by side" if self.overlap else "")
