@@ -101,7 +101,9 @@ def runner(device: str):
 def test_the_decision_by_flag_and_device():
     proc = DeepseekOCR2ImageProcessor()
     auto = EngineConfig().preprocess_decision(runner("cuda"), proc)
-    assert auto.value == "host" and "auto" in auto.reason
+    assert auto.value == "device" and auto.reason.startswith("auto: DeepseekOCR2ImageProcessor resizes and cuts on cuda")
+    auto_cpu = EngineConfig().preprocess_decision(runner("cpu"), proc)
+    assert auto_cpu.value == "host" and auto_cpu.reason.startswith("auto: the runner's device is the host CPU")
     dev = EngineConfig(preprocess_device="device").preprocess_decision(runner("cuda"), proc)
     assert dev.value == "device" and "cuda" in dev.reason
     cpu = EngineConfig(preprocess_device="device").preprocess_decision(runner("cpu"), proc)
@@ -115,7 +117,30 @@ def test_a_processor_without_a_device_path_is_refused():
     proc = get_family("paddleocr_vl").released_image_processor()
     with pytest.raises(ValueError, match="host only"):
         EngineConfig(preprocess_device="device").preprocess_decision(runner("cuda"), proc)
-    assert EngineConfig().preprocess_decision(runner("cuda"), proc).value == "host"
+    auto = EngineConfig().preprocess_decision(runner("cuda"), proc)
+    assert auto.value == "host" and "makes its views on the host only" in auto.reason
+
+
+def test_views_on_the_device_reserve_each_workers_page_beside_the_kv_pool():
+    """The engine keeps free, beside what its caller reserved, a page's working set per worker."""
+    from fastdeploy_ext.engine.llm_engine import LLMEngine
+    from fastdeploy_ext.plan import Decision
+    proc = DeepseekOCR2ImageProcessor().on_device("cpu")
+    per = proc.device_working_bytes()
+    # an A4 page at 200 dpi: 6 crops; the bytes its two resizes and seven views take
+    assert proc.grid_for(1654, 2339) == (7, 3, 2) and 200 * 2**20 < per < 300 * 2**20
+    assert proc.device_working_bytes(600, 500) < per / 4          # no crops: one small resize
+
+    def beside(reserved, views_on_device, workers=3):
+        me = SimpleNamespace(reserved_memory=reserved, _views_on_device=views_on_device,
+                             config=EngineConfig(preprocess_workers=workers))
+        return LLMEngine._memory_beside_the_engine(me)
+    got = beside(Decision(1000, "a layout detector"), proc)
+    assert got.value == 1000 + 3 * per
+    assert got.reason.startswith("a layout detector; 3 preprocessing workers making views on the device")
+    assert beside(None, proc, workers=1).value == per
+    assert beside(Decision(1000, "a layout detector"), None) == Decision(1000, "a layout detector")
+    assert beside(None, None) is None
 
 
 def test_a_bad_value_is_refused():
@@ -136,6 +161,23 @@ def test_the_cli_flags_reach_the_config():
     assert (cfg.preprocess_device, cfg.preprocess_workers) == ("device", 8)
     with pytest.raises(SystemExit):
         p.parse_args(["--preprocess-device", "gpu"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("w,h", [(1654, 2339), (1240, 1754), (2339, 1654), (600, 500)])
+def test_cuda_working_set_stays_inside_the_reservation(w, h):
+    proc = DeepseekOCR2ImageProcessor().on_device("cuda")
+    img = noise(w, h, seed=5)
+    proc.pixel_values(proc.views(img)[0])             # the taps' uploads and kernels made once
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = proc.pixel_values(proc.views(img)[0])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = proc.device_working_bytes(w, h)
+    print(f"{w}x{h}: peak {peak / 2**20:.1f} MiB, reserved {bound / 2**20:.1f} MiB")
+    assert out.is_cuda and 0.4 * bound < peak <= bound
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

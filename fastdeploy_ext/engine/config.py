@@ -119,22 +119,25 @@ class EngineConfig:
         """Where the preprocessing workers make a request's image views: "host" (PIL) or
         "device" (the runner's: the family's processor uploads the decoded page and resizes and
         cuts it there, the same bytes; ``on_device``). --preprocess-device device asks for it and
-        is refused for a processor without a device path; auto keeps the host for now."""
+        is refused for a processor without a device path; auto takes the device wherever the
+        processor has that path and the runner is not on the host CPU."""
         dev = torch.device(getattr(runner, "device", "cpu"))
         name = type(image_processor).__name__
-        if self.preprocess_device == "host":
+        how = self.preprocess_device
+        flag = "auto" if how == "auto" else f"--preprocess-device {how}"
+        if how == "host":
             return Decision("host", "--preprocess-device host: PIL in the preprocessing workers")
-        if self.preprocess_device == "device":
-            if not callable(getattr(image_processor, "on_device", None)):
+        if not callable(getattr(image_processor, "on_device", None)):
+            if how == "device":
                 raise ValueError(f"--preprocess-device device: {name} makes its views on the host only "
                                  "(DeepSeek-OCR-2's processor has a device path); use host or auto")
-            if dev.type == "cpu":
-                return Decision("host", "--preprocess-device device: the runner's device is the host CPU, where "
-                                        "PIL is the faster way to the same bytes")
-            return Decision("device", f"--preprocess-device device: {name} resizes and cuts on {dev} (Pillow's "
-                                      "integer resampling, the same bytes); the host decodes")
-        return Decision("host", "auto: PIL in the preprocessing workers (--preprocess-device device moves the "
-                                "resizes and cuts of a processor that has a device path to the runner's device)")
+            return Decision("host", f"auto: {name} makes its views on the host only (PIL in the preprocessing "
+                                    "workers)")
+        if dev.type == "cpu":
+            return Decision("host", f"{flag}: the runner's device is the host CPU, where PIL is the faster way to "
+                                    "the same bytes")
+        return Decision("device", f"{flag}: {name} resizes and cuts on {dev} (Pillow's integer resampling, the "
+                                  "same bytes); the host decodes")
 
     def async_decision(self, runner) -> Decision:
         """Overlapped ("async") scheduling: --async-scheduling / --no-async-scheduling when given;

@@ -141,6 +141,10 @@ class LLMEngine:
             log.info("mixed steps' encoder budget: %d (%s)", self.mixed_encoder_budget.value,
                      self.mixed_encoder_budget.reason)
         self._inflight: InFlight | None = None
+        image_processor, self.preprocess = None, None
+        if input_processor is None:
+            image_processor, self.preprocess = self._image_processor(runner, config)
+        self._views_on_device = image_processor if self.preprocess and self.preprocess.value == "device" else None
         spec = runner.kv_cache_spec()
         num_blocks = self._size_kv_pool(spec)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks.value, spec.block_size,
@@ -163,7 +167,7 @@ class LLMEngine:
                  "; an item of more rows is refused" if rows.value < config.max_model_len - 1 else "")
         self.encoder_cache_decision = rows
         self.scheduler = Scheduler(config.scheduler_config(bool(self.mixed_steps.value)), self.block_manager, self.encoder_cache)
-        self.input_processor = input_processor or self._create_input_processor(runner, config)
+        self.input_processor = input_processor or self._create_input_processor(runner, config, image_processor)
         builder = self.input_processor.builder
         self.eos_token_ids = tuple(builder.eos_token_ids)
         self.vocab_size = builder.vocab_size
@@ -202,15 +206,36 @@ class LLMEngine:
         return runner
 
     @staticmethod
-    def _create_input_processor(runner, config: EngineConfig) -> InputProcessor:
-        limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
-                             max_encoder_cost=config.max_encoder_patches, max_model_len=config.max_model_len)
+    def _image_processor(runner, config: EngineConfig):
+        """The family's image processor where the preprocessing decision puts it, and that
+        decision (its value "device" reserves the workers' working set beside the KV pool)."""
         image_processor = runner.family.image_processor(config.model)
         where = config.preprocess_decision(runner, image_processor)
         log.info("image preprocessing: %s (%s)", where.value, where.reason)
         if where.value == "device":
             image_processor = image_processor.on_device(runner.device)
+        return image_processor, where
+
+    @staticmethod
+    def _create_input_processor(runner, config: EngineConfig, image_processor) -> InputProcessor:
+        limits = InputLimits(max_images=config.limit_mm_per_prompt.get("image", 1),
+                             max_encoder_cost=config.max_encoder_patches, max_model_len=config.max_model_len)
         return InputProcessor(FamilyPromptBuilder.from_runner(runner), image_processor, limits)
+
+    def _memory_beside_the_engine(self) -> Decision | None:
+        """Device bytes other work in this process will still allocate: ``reserved_memory`` (the
+        caller's, e.g. a layout detector) plus, with preprocessing on the device, each worker's
+        working set for one page (the processor's ``device_working_bytes``)."""
+        parts = [self.reserved_memory] if self.reserved_memory is not None else []
+        proc = self._views_on_device
+        if proc is not None:
+            per = int(proc.device_working_bytes())
+            workers = self.config.preprocess_workers
+            parts.append(Decision(workers * per, f"{workers} preprocessing workers making views on the device "
+                                                 f"({per / 2**20:.0f} MiB each: {type(proc).__name__}.device_working_bytes)"))
+        if not parts:
+            return None
+        return Decision(sum(int(p.value) for p in parts), "; ".join(p.reason for p in parts))
 
     def _size_kv_pool(self, spec) -> Decision:
         cfg = self.config
@@ -226,7 +251,7 @@ class LLMEngine:
                 budget = int(free - (1 - cfg.gpu_memory_utilization) * total - peak)
                 reason = (f"free {free / 2**30:.2f} GiB - (1 - {cfg.gpu_memory_utilization}) x total "
                           f"{total / 2**30:.2f} GiB - profiled step peak {peak / 2**30:.2f} GiB")
-                reserved = self.reserved_memory
+                reserved = self._memory_beside_the_engine()
                 if reserved is not None:
                     log.info("memory reserved beside the engine: %.1f MiB (%s)", reserved.value / 2**20,
                              reserved.reason)

@@ -134,6 +134,18 @@ def _pass(x: torch.Tensor, axis: int, t: Taps, offset: int) -> torch.Tensor:
     return (acc >> PRECISION_BITS).clamp_(0, 255)
 
 
+def peak_bytes(in_w: int, in_h: int, w: int, h: int, channels: int = 3) -> int:
+    """An upper bound of the device bytes resize() holds at once besides its uint8 input: the
+    image as int32, and in each pass its running sum, a gathered tap and its product (int32 of the
+    pass's output size), then the shifted sum; the uint8 result."""
+    out = w * h * channels
+    if (w, h) == (in_w, in_h):
+        return out
+    px = 4 * channels
+    first = (in_w * h) if vertical_first(in_w, in_h, w, h) else (w * in_h)
+    return max(px * (in_w * in_h + 4 * first), px * (first + 4 * w * h)) + out
+
+
 def resize(image: torch.Tensor, size: tuple[int, int], filt: Filter = Filter.BICUBIC) -> torch.Tensor:
     """uint8 [H, W, C] -> uint8 [h, w, C] for ``size`` = (w, h): ``Image.resize(size, filt)`` of
     the same pixels, on the image's device."""

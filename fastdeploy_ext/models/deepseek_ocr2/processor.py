@@ -43,6 +43,8 @@ from .config import DeepseekOCR2Config
 log = logging.getLogger(__name__)
 
 BACKGROUND = (127, 127, 127)
+#: the page size the engine reserves device memory for per preprocessing worker (A4 at 200 dpi)
+RESERVE_PAGE = (1654, 2339)
 RESCALE = 1 / 255
 
 
@@ -129,6 +131,22 @@ class DeepseekOCR2ImageProcessor:
     def cost(self, grid) -> int:
         """Input patches of an image of this grid (the encoder budget's unit)."""
         return self.cfg.image_patches(num_crops(grid))
+
+    def device_working_bytes(self, width: int = RESERVE_PAGE[0], height: int = RESERVE_PAGE[1]) -> int:
+        """Device bytes one page of ``width`` x ``height`` takes while its views are made there:
+        the uploaded page, the larger of its two resizes' working sets (``resample.peak_bytes``),
+        its views and their packed patches. The default page is an A4 scan at 200 dpi: what the
+        engine keeps free per preprocessing worker beside the KV pool (a larger page that finds
+        no room is made on the host)."""
+        c = self.cfg
+        grid = self.grid_for(width, height)
+        crops = num_crops(grid)
+        scale = c.base_size / max(width, height)
+        resizes = [(round(width * scale), round(height * scale))]
+        if crops:
+            resizes.append((c.tile_size * grid[2], c.tile_size * grid[1]))
+        views = 3 * (crops * c.tile_size ** 2 + c.base_size ** 2)
+        return 3 * width * height + max(resample.peak_bytes(width, height, w, h) for w, h in resizes) + 2 * views
 
     # ---------------------------------------------------------------- pixels
     def views(self, img: Image.Image) -> tuple[list, tuple[int, int, int]]:
