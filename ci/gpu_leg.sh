@@ -29,7 +29,8 @@
 #                tests/test_triton_moe.py + test_triton_moe_routing.py + test_triton_paged_attention.py, then `python3 -m
 #                fastdeploy_ext.bench.moe` (bf16, 1/64/128/4096 tokens: ours vs aten_moe vs transformers)
 #   deepseek (not in "all")  the conformance suite on DeepSeek-OCR-2 (--fdx-family deepseek_ocr2) on cuda,
-#                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet)
+#                metax EMULATED on the GPU and cpu_amx (the matrix's 600 s holds no room for them yet;
+#                DEEPSEEK_BACKENDS narrows the list, e.g. "cuda")
 #   deepseek_kernels (not in "all")  DeepSeek-OCR-2's Triton attention kernels: tests/test_deepseek_attention_kernels.py
 #                on CUDA and `python3 -m fastdeploy_ext.bench.deepseek_attention` (ours vs ATen, bf16, the real shapes)
 #   deepseek_decode (not in "all")  DeepSeek-OCR-2's decode step at batch 64 with ~2k context: ci/step_profile.py
@@ -104,7 +105,7 @@ if [[ " $steps " == *" detect "* ]]; then
   tail -12 "$OUT/detector_bf16_check.txt"
 fi
 if [[ " $steps " == *" deepseek "* ]]; then
-  for b in cuda metax cpu_amx; do
+  for b in ${DEEPSEEK_BACKENDS:-cuda metax cpu_amx}; do
     # the metax backend runs EMULATED on the GPU (the suite's plugin enters its emulation)
     timeout ${DEEPSEEK_TIMEOUT:-400} python3 -m pytest -q \
       --pyargs fastdeploy_ext.conformance --fdx-backend $b --fdx-family deepseek_ocr2 -p no:cacheprovider \

@@ -151,10 +151,14 @@ def test_encoder_graph_paths_name_the_paths_and_their_budgets():
                                text_available={"sdpa_paged": (True, "ok")})
 
 
-def test_the_paths_overlap_by_default_where_both_are_captured():
+def test_the_paths_overlap_only_when_asked():
     p = _plan("cuda_sm90")
-    assert p.graph_overlap.value is True and p.graph_overlap.reason.startswith("default where the paths are captured")
-    assert "graph_overlap" in p.describe() and "a graph pool each" in p.describe()
+    assert p.graph_overlap.value is False and p.graph_overlap.reason.startswith("off by default: the paths replay one")
+    assert "graph_overlap" in p.describe() and "one graph pool" in p.describe()
+    on = _plan("cuda_sm90", graph_config=GraphOptimizationConfig.from_json('{"encoder_overlap_paths": true}'))
+    assert on.graph_overlap == Decision(True, "encoder_overlap_paths=true: the paths replay on two streams side by "
+                                              "side, a graph pool each")
+    assert "a graph pool each" in on.describe()
     off = _plan("cuda_sm90", graph_config=GraphOptimizationConfig.from_json('{"encoder_overlap_paths": false}'))
     assert off.graph_overlap.value is False and off.graph_overlap.reason.startswith("encoder_overlap_paths=false")
     one = _plan("cuda_sm90", graph_config=GraphOptimizationConfig.from_json(
@@ -379,12 +383,23 @@ def test_cuda_graph_replay_equals_eager_bitwise(dtype, monkeypatch):
     runner.graphs, graphs = None, runner.graphs          # the runner's eager path (same precision)
     eager = runner.encode_uploaded(pixels, grids)
     runner.graphs = graphs
-    # the paths replayed one after the other give the same bytes as side by side (the default)
-    assert g.overlap and len({bg.pool for bg in g.graphs.values()}) == 2
-    g.overlap = False
-    for a, b in zip(runner.encode_uploaded(pixels, grids), replayed):
+    # the paths replayed side by side (their own pools, a side stream) give the same bytes, and
+    # make no host sync either
+    assert not g.overlap and len({bg.pool for bg in g.graphs.values()}) == 1
+    side = get_backend_class("cuda").create(PlanRequest(
+        device="cuda", dtype=dtype, model_family="deepseek_ocr2",
+        graph_config=dataclasses.replace(gc, encoder_overlap_paths=True)))
+    side.load_model(None, load_format="dummy", model_family="deepseek_ocr2")
+    side.model.load_state_dict(runner.model.state_dict())
+    side.capture_graphs()
+    assert side.graphs.overlap and len({bg.pool for bg in side.graphs.graphs.values()}) == 2
+    side.encode_uploaded(pixels, grids)
+    with cuda_host_sync_guard():
+        overlapped = side.encode_uploaded(pixels, grids)
+    side.graphs.overlap = False                     # the same graphs, one path after the other
+    for a, b, c in zip(overlapped, side.encode_uploaded(pixels, grids), replayed):
         assert torch.equal(a, b)
-    g.overlap = True
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), c.float().flatten(), dim=0) >= 0.9999
     for a, b in zip(replayed, eager):
         a, b = a.float(), b.float()
         cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()

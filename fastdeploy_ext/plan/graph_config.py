@@ -97,7 +97,7 @@ class GraphOptimizationConfig:
     max_segments}, budgets over patches; for a tower over fixed-size views, DeepSeek-OCR-2's,
     {name, budgets}: its paths "global" and "local" with their view counts), ``encoder_overlap_paths``
     (such a tower's paths replayed side by side on two streams, each path its own graph pool;
-    None: on wherever the paths are captured) and ``encoder_split_oversize_batches`` (pack batches
+    off unless true) and ``encoder_split_oversize_batches`` (pack batches
     larger than every budget into several replays instead of one eager pass). A layout detector's graphs:
     ``use_detector_cudagraph`` and ``detector_capture_sizes`` (its batch-size buckets). None:
     the row's default."""
