@@ -16,11 +16,12 @@ gathered into the path's static buffer with one device copy (``torch.cat(..., ou
 rows are reassembled per image from the static outputs by the eager forward's own code
 (DeepseekOCR2Vision.split_views / assemble).
 
-Where the plan overlaps the paths (``graph_overlap``), a batch with crops replays its global path
-on a side stream beside its local path (DeviceAPI.side_by_side): the small kernels and the tails
-of one path fill what the other leaves idle. Two replays at once must not share intermediates, so
-then each path captures into a graph pool of its own (checked after capture); otherwise all
-graphs share one pool, largest first.
+Where the plan overlaps the paths (``graph_overlap``, off unless ``encoder_overlap_paths``), a
+batch with crops replays its global path on a side stream beside its local path
+(DeviceAPI.side_by_side), for the small kernels and tails of one path to fill what the other
+leaves idle; on an H200 that measured no faster (each path fills the GPU alone). Two replays at
+once must not share intermediates, so then each path captures into a graph pool of its own
+(checked after capture); otherwise all graphs share one pool, largest first.
 """
 from __future__ import annotations
 
@@ -105,8 +106,7 @@ class DeepseekEncoderGraphs:
         self.device, self.dtype = runner.device, runner.dtype
         self.ex = runner.execution          # the plan's qkv layout and attention backends
         self.paths = {p.name: p for p in paths}
-        plan = getattr(runner, "plan", None)
-        self.overlap = bool(plan.graph_overlap.value) if plan is not None else False
+        self.overlap = bool(runner.plan.graph_overlap.value)
         self.graphs: dict[tuple[str, int], _ViewBudgetGraph] = {}
         self.stats = {name: PathStats() for name in PATH_IS_GLOBAL}
 
