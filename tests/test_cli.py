@@ -198,3 +198,19 @@ def test_bench_bad_flags_in_process(argv, match, capsys):
     from fastdeploy_ext.entrypoints.cli import main
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
+    """`fastdeploy-ext info | head`: the closed pipe ends the command with SIGPIPE's status and no
+    traceback; with a reader there the same command prints its plan and succeeds."""
+    import io
+
+    from fastdeploy_ext.entrypoints import cli
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli.main(["info", "--device", "cpu"]) == cli.EXIT_BROKEN_PIPE
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert cli.main(["info", "--device", "cpu"]) == 0 and "plan:" in sys.stdout.getvalue()

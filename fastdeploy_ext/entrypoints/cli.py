@@ -422,6 +422,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ModuleNotFoundError as e:
         return _missing_extra(command, e)
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+#: the exit status of a process that SIGPIPE ended (128 + 13), as a Unix tool reports it
+EXIT_BROKEN_PIPE = 141
+
+
+def _reader_gone() -> int:
+    """Whoever read our output went away (``fastdeploy-ext info | head``): stop without a
+    traceback, and point stdout at /dev/null so the interpreter's final flush does not fail
+    again on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no real descriptor behind sys.stdout
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 # the extra of setup.py that installs a module a command imports on first use
