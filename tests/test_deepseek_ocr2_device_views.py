@@ -93,6 +93,38 @@ def test_a_host_processor_does_not_catch_out_of_memory(tmp_path, monkeypatch):
         DeepseekOCR2ImageProcessor().preprocess(str(path))
 
 
+# ------------------------------------------------------------------ no host sync in the worker
+def test_making_views_on_a_device_waits_for_nothing_queued_there():
+    """The worker's device path (page upload, resizes, canvas, patches) runs on ``meta`` under
+    the sync guard: no blocking upload (on CUDA one waits for the engine's queued steps) and no
+    read-back. The taps go up once per geometry, not per page."""
+    from fastdeploy_ext.sync_guard import HostSyncGuard
+    proc = DeepseekOCR2ImageProcessor().on_device("meta")
+    resample.device_taps.cache_clear()
+    with HostSyncGuard(watch={"meta"}):
+        for seed in (1, 2):
+            views, grid = proc.views(noise(1240, 1754, seed))
+            out = proc.pixel_values(views)
+    assert grid == (7, 3, 2) and out.device.type == "meta" and out.dtype == torch.uint8
+    info = resample.device_taps.cache_info()
+    assert info.misses <= 4 and info.hits >= info.misses     # two resizes x two axes, once
+
+
+@pytest.mark.parametrize("where", ["page", "taps"])
+def test_a_blocking_upload_in_the_worker_path_is_caught(monkeypatch, where):
+    from fastdeploy_ext.models.deepseek_ocr2 import processor as P
+    from fastdeploy_ext.sync_guard import HostSyncError, HostSyncGuard
+
+    def blocking(t, device):
+        return t.to(device)
+    monkeypatch.setattr(P if where == "page" else resample, "upload", blocking)
+    resample.device_taps.cache_clear()
+    proc = DeepseekOCR2ImageProcessor().on_device("meta")
+    with HostSyncGuard(watch={"meta"}), pytest.raises(HostSyncError, match="blocking host->device copy"):
+        proc.views(noise(1240, 1754, 3))
+    resample.device_taps.cache_clear()        # no taps uploaded the blocking way stay cached
+
+
 # ------------------------------------------------------------------ the engine's decision
 def runner(device: str):
     return SimpleNamespace(device=torch.device(device))

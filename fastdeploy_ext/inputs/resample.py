@@ -17,7 +17,8 @@ the same bytes can come out of a GPU:
 Only the polynomial filters are here (bilinear, bicubic): their weights are IEEE float64
 arithmetic every machine rounds alike, while Lanczos' and Hamming's go through libm's sin/cos,
 which need not match Pillow's build. The coefficients are made once per (in, out, filter) on the
-host; the passes are ``ksize`` gathered multiply-adds per axis on the image's device.
+host and uploaded once per device without a host sync (``device_taps``); the passes are
+``ksize`` gathered multiply-adds per axis on the image's device.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+
+from ..transfer import upload
 
 PRECISION_BITS = 32 - 8 - 2
 ROUNDING = 1 << (PRECISION_BITS - 1)      # added before the shift: round half up
@@ -118,17 +121,28 @@ def taps(in_size: int, out_size: int, filt: Filter) -> Taps:
     return Taps(first, count, fixed)
 
 
-def _pass(x: torch.Tensor, axis: int, t: Taps, offset: int) -> torch.Tensor:
-    """One axis of int32 pixels [H, W, C] through its taps (input index shifted by ``offset``)."""
+@lru_cache(maxsize=256)
+def device_taps(in_size: int, out_size: int, filt: Filter, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """taps() on ``device``: ``first`` int64 [out] and ``weight`` int32 [out, ksize], uploaded once
+    without a host sync and shared by every image of the same geometry. A blocking upload per
+    pass would wait for all the work queued on the device first (a running engine's steps): on
+    CUDA a copy from pageable memory synchronizes the stream."""
+    t = taps(in_size, out_size, filt)
+    return upload(torch.from_numpy(t.first), device), upload(torch.from_numpy(t.weight), device)
+
+
+def _pass(x: torch.Tensor, axis: int, in_size: int, out_size: int, filt: Filter, offset: int) -> torch.Tensor:
+    """One axis of int32 pixels [H, W, C] through the taps of ``in_size -> out_size`` (input
+    index shifted by ``offset``: x holds the rows from there on)."""
     n = x.shape[axis]
-    dev = x.device
-    first = torch.from_numpy(t.first - offset).to(dev)
-    weight = torch.from_numpy(t.weight).to(dev)
+    first, weight = device_taps(in_size, out_size, filt, x.device)
+    if offset:
+        first = first - offset
     shape = [1, 1, 1]
     shape[axis] = -1
-    acc = torch.full([t.first.shape[0] if a == axis else s for a, s in enumerate(x.shape)],
-                     ROUNDING, dtype=torch.int32, device=dev)
-    for j in range(t.ksize):
+    acc = torch.full([out_size if a == axis else s for a, s in enumerate(x.shape)],
+                     ROUNDING, dtype=torch.int32, device=x.device)
+    for j in range(weight.shape[1]):
         idx = (first + j).clamp_(max=n - 1)
         acc += x.index_select(axis, idx) * weight[:, j].view(shape)
     return (acc >> PRECISION_BITS).clamp_(0, 255)
@@ -157,13 +171,12 @@ def resize(image: torch.Tensor, size: tuple[int, int], filt: Filter = Filter.BIC
         return image.clone()
     x = image.to(torch.int32)
     if vertical_first(in_w, in_h, w, h):
-        x = _pass(x, 0, taps(in_h, h, filt), 0)
-        return (_pass(x, 1, taps(in_w, w, filt), 0) if w != in_w else x).to(torch.uint8)
-    vert = taps(in_h, h, filt)
+        x = _pass(x, 0, in_h, h, filt, 0)
+        return (_pass(x, 1, in_w, w, filt, 0) if w != in_w else x).to(torch.uint8)
     offset = 0
     if w != in_w:
-        offset, hi = vert.span if h != in_h else (0, in_h)
-        x = _pass(x[offset:hi], 1, taps(in_w, w, filt), 0)
+        offset, hi = taps(in_h, h, filt).span if h != in_h else (0, in_h)
+        x = _pass(x[offset:hi], 1, in_w, w, filt, 0)
     if h != in_h:
-        x = _pass(x, 0, vert, offset)
+        x = _pass(x, 0, in_h, h, filt, offset)
     return x.to(torch.uint8)

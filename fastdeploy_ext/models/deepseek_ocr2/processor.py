@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 
 from ...inputs import resample
+from ...transfer import upload
 from ...inputs.images import ImageInputError, load_image, source_name
 from .config import DeepseekOCR2Config
 
@@ -162,13 +163,18 @@ class DeepseekOCR2ImageProcessor:
             def canvas(side):
                 return np.full((side, side, 3), BACKGROUND, dtype=np.uint8)
         else:
-            page = torch.from_numpy(np.array(img)).to(self.device)
+            # queued without a host sync (pinned, then non-blocking): a blocking upload would wait
+            # for everything already queued on the device, a running engine's steps included
+            page = upload(torch.from_numpy(np.array(img)), self.device)
 
             def resized(size):
                 return resample.resize(page, size, resample.Filter.BICUBIC)
 
             def canvas(side):
-                return torch.tensor(BACKGROUND, dtype=torch.uint8, device=self.device).expand(side, side, 3).clone()
+                out = torch.empty((side, side, 3), dtype=torch.uint8, device=self.device)
+                for c, v in enumerate(BACKGROUND):
+                    out[..., c] = v            # a fill, not an upload of the colour
+                return out
         out = []
         if num_crops(grid):
             rows, cols = grid[1], grid[2]
