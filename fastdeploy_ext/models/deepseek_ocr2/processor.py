@@ -140,14 +140,21 @@ class DeepseekOCR2ImageProcessor:
         engine keeps free per preprocessing worker beside the KV pool (a larger page that finds
         no room is made on the host)."""
         c = self.cfg
-        grid = self.grid_for(width, height)
-        crops = num_crops(grid)
-        scale = c.base_size / max(width, height)
-        resizes = [(round(width * scale), round(height * scale))]
-        if crops:
-            resizes.append((c.tile_size * grid[2], c.tile_size * grid[1]))
+        tiles, fit = self.resize_sizes(width, height)
+        crops = num_crops(self.grid_for(width, height))
         views = 3 * (crops * c.tile_size ** 2 + c.base_size ** 2)
-        return 3 * width * height + max(resample.peak_bytes(width, height, w, h) for w, h in resizes) + 2 * views
+        resizing = max(resample.peak_bytes(width, height, w, h) for w, h in (tiles, fit) if w)
+        return 3 * width * height + resizing + 2 * views
+
+    def resize_sizes(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two resizes a page's views come from, each (w, h): the crops' tiling ((0, 0)
+        without crops) and the global view's fit into ``base_size`` (sizes rounded as Python's
+        ``round``)."""
+        c = self.cfg
+        grid = self.grid_for(width, height)
+        tiles = (c.tile_size * grid[2], c.tile_size * grid[1]) if num_crops(grid) else (0, 0)
+        scale = c.base_size / max(width, height)
+        return tiles, (round(width * scale), round(height * scale))
 
     # ---------------------------------------------------------------- pixels
     def views(self, img: Image.Image) -> tuple[list, tuple[int, int, int]]:
@@ -172,17 +179,16 @@ class DeepseekOCR2ImageProcessor:
 
             def canvas(side):
                 out = torch.empty((side, side, 3), dtype=torch.uint8, device=self.device)
-                for c, v in enumerate(BACKGROUND):
-                    out[..., c] = v            # a fill, not an upload of the colour
+                for channel, v in enumerate(BACKGROUND):
+                    out[..., channel] = v      # a fill, not an upload of the colour
                 return out
         out = []
+        tiles, (nw, nh) = self.resize_sizes(w, h)
         if num_crops(grid):
             rows, cols = grid[1], grid[2]
             t = c.tile_size
-            big = resized((t * cols, t * rows))
+            big = resized(tiles)
             out.extend(big[r * t:(r + 1) * t, q * t:(q + 1) * t] for r in range(rows) for q in range(cols))
-        scale = c.base_size / max(w, h)
-        nw, nh = round(w * scale), round(h * scale)
         small = resized((nw, nh))
         side = max(nw, nh)
         glob = canvas(side)
